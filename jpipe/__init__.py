@@ -1,0 +1,16 @@
+"""jpipe: pipeline-parallel training for JAX/Flax as one SPMD program.
+
+>>> import jpipe
+>>> jpipe.Plan(pipe=4, data=2, microbatches=8).schedule
+'1f1b'
+"""
+
+from jpipe import schedules
+from jpipe._mesh import make_mesh
+from jpipe._model import Staged
+from jpipe._plan import Plan
+from jpipe._train import TrainState, init, to_sequential, train_step
+
+__version__ = "0.1.0"
+
+__all__ = ["Plan", "Staged", "TrainState", "init", "make_mesh", "schedules", "to_sequential", "train_step"]

@@ -1,0 +1,288 @@
+"""The executor: one SPMD program that interprets a schedule table.
+
+Inside ``jax.shard_map`` over the ``(pipe, data)`` mesh, a ``lax.scan`` runs one
+iteration per tick. Each device looks up its row of the table, runs the
+forward or backward of one micro-batch on one of its chunks (``lax.switch``:
+compute only, no collectives), and then -- on every device, outside any
+branch -- one ``ppermute`` moves activations a device forward and one moves
+cotangents a device back. Received data is written to the slot the table
+names; a spare "trash" slot at the end of each buffer absorbs writes that the
+table does not want, so no branch is needed for them.
+
+Buffers hold exactly the table's liveness: ``in`` (stage inputs, arrival to
+backward), ``res`` (forward residuals, forward to backward) and ``cot``
+(cotangents, arrival to backward). Weight gradients accumulate in the carry;
+one mean over ``data`` per step.
+
+Without ``remat`` the forward's residuals are kept: ``jax.vjp`` returns an
+object whose ``opaque_residuals`` are the intermediates and whose ``args_res``
+are the primal arguments (weights and stage input). Only the former are
+stashed; the backward re-traces ``jax.vjp`` (dead code that XLA removes) and
+swaps the stashed residuals in, so the weights are never copied per slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jpipe._mesh import DATA, PIPE
+from jpipe._model import Params, PyTree, Staged
+from jpipe.schedules import BACKWARD, FIELDS, FORWARD, IDLE, Table
+
+_COL = {name: i for i, name in enumerate(FIELDS)}
+
+
+class Layout(NamedTuple):
+    """Where each layer lives: layer ``l`` of the sequential model is ``stages[device, chunk, j]``."""
+
+    num_devices: int
+    num_chunks: int
+    counts: np.ndarray  # int[devices, chunks]: layers on each (device, chunk)
+    max_layers: int
+
+    @classmethod
+    def from_partition(cls, partition: tuple[int, ...], num_devices: int) -> Layout:
+        num_chunks = len(partition) // num_devices
+        counts = np.zeros((num_devices, num_chunks), dtype=np.int32)
+        for k, n in enumerate(partition):
+            counts[k % num_devices, k // num_devices] = n
+        return cls(num_devices, num_chunks, counts, int(counts.max()))
+
+    def positions(self) -> list[tuple[int, int, int]]:
+        """``(device, chunk, j)`` of each sequential layer, in order."""
+        out = []
+        for k in range(self.num_devices * self.num_chunks):
+            d, c = k % self.num_devices, k // self.num_devices
+            out += [(d, c, j) for j in range(int(self.counts[d, c]))]
+        return out
+
+    def to_stages(self, layers: PyTree) -> PyTree:
+        """Stacked ``[L, ...]`` layers -> padded ``[devices, chunks, max_layers, ...]``."""
+        pos = self.positions()
+        d, c, j = (np.array(x) for x in zip(*pos))
+
+        def place(a: jax.Array) -> jax.Array:
+            out = jnp.zeros((self.num_devices, self.num_chunks, self.max_layers, *a.shape[1:]), a.dtype)
+            return out.at[d, c, j].set(a)
+
+        return jax.tree.map(place, layers)
+
+    def from_stages(self, stages: PyTree) -> PyTree:
+        """Inverse of :meth:`to_stages`: padded stage stacks -> ``[L, ...]``."""
+        d, c, j = (np.array(x) for x in zip(*self.positions()))
+        return jax.tree.map(lambda a: a[d, c, j], stages)
+
+
+def _zeros_like_tree(tree: PyTree) -> PyTree:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _index(tree: PyTree, i: jax.Array) -> PyTree:
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _set(buf: jax.Array, i: jax.Array, value: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, axis=0)
+
+
+def _slot(slot: jax.Array, depth: int) -> jax.Array:
+    """Table slot -> buffer index; ``NO_SLOT`` (-1) maps to the trash slot at ``depth``."""
+    return jnp.where(slot < 0, depth, slot)
+
+
+class _Carry(NamedTuple):
+    inputs: jax.Array  # [in_depth + 1, *hidden]
+    residuals: list  # each [res_depth + 1, *shape]
+    cotangents: jax.Array  # [cot_depth + 1, *hidden]
+    grad_stages: PyTree
+    grad_pre: PyTree
+    grad_post: PyTree
+    loss: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Executor:
+    """Builds ``grads(params, batch) -> (loss, grads)`` for a model, table, layout and mesh."""
+
+    model: Staged
+    table: Table
+    layout: Layout
+    mesh: Mesh
+    remat: bool
+
+    def stage_forward(self, count: jax.Array | None) -> Callable[[PyTree, jax.Array], jax.Array]:
+        """``f(chunk_params [max_layers, ...], x) -> y``: the layers of one chunk."""
+        model, max_layers = self.model, self.layout.max_layers
+
+        def f(chunk_params: PyTree, x: jax.Array) -> jax.Array:
+            def one(h, pj):
+                p, j = pj
+                if count is None:  # every chunk is full: no masking needed
+                    return model.layer_apply(p, h), None
+                return lax.cond(j < count, lambda: model.layer_apply(p, h), lambda: h), None
+
+            y, _ = lax.scan(one, x, (chunk_params, jnp.arange(max_layers)))
+            return y
+
+        return f
+
+    def build(self, example_microbatch: PyTree, pre_params: Params) -> Callable:
+        table, layout, model = self.table, self.layout, self.model
+        num_dev, num_chunks, M = table.num_devices, table.num_chunks, table.num_microbatches
+        hidden = model.hidden_shape(pre_params, example_microbatch)
+        rows = jnp.asarray(table.as_array())  # [T, P, F]
+        counts_all = layout.counts
+        uneven = bool((counts_all != layout.max_layers).any())
+        depths = (table.in_depth, table.res_depth, table.cot_depth)
+        ring = num_chunks > 1
+        fwd_perm = [(i, (i + 1) % num_dev) for i in range(num_dev if ring else num_dev - 1)]
+        bwd_perm = [((i + 1) % num_dev, i) for i in range(num_dev if ring else num_dev - 1)]
+        remat = self.remat
+
+        def body(params: Params, batch: PyTree):
+            stages = jax.tree.map(lambda a: a[0], params["stages"])  # [chunks, max_layers, ...]
+            pre_p, post_p = params["pre"], params["post"]
+            microbatches = jax.tree.map(lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:]), batch)
+            device = lax.axis_index(PIPE)
+            counts = jnp.asarray(counts_all)[device]
+            zeros_h = jnp.zeros(hidden.shape, hidden.dtype)
+
+            def forward_fn(chunk: jax.Array):
+                return self.stage_forward(counts[chunk] if uneven else None)
+
+            chunk0 = _index(stages, jnp.int32(0))
+            res_shapes = [] if remat else jax.eval_shape(
+                lambda p, x: jax.vjp(forward_fn(jnp.int32(0)), p, x)[1].opaque_residuals,
+                chunk0, zeros_h)
+            carry = _Carry(
+                inputs=jnp.zeros((depths[0] + 1, *hidden.shape), hidden.dtype),
+                residuals=[jnp.zeros((depths[1] + 1, *r.shape), r.dtype) for r in res_shapes],
+                cotangents=jnp.zeros((depths[2] + 1, *hidden.shape), hidden.dtype),
+                grad_stages=_zeros_like_tree(stages),
+                grad_pre=_zeros_like_tree(pre_p),
+                grad_post=_zeros_like_tree(post_p),
+                loss=jnp.zeros((), jnp.float32),
+            )
+
+            def tick(carry: _Carry, tick_rows: jax.Array):
+                row = tick_rows[device]
+                mb, chunk = row[_COL["microbatch"]], row[_COL["chunk"]]
+                in_i = _slot(row[_COL["in_slot"]], depths[0])
+                res_i = _slot(row[_COL["res_slot"]], depths[1])
+                cot_i = _slot(row[_COL["cot_slot"]], depths[2])
+                first = (device == 0) & (chunk == 0)
+                last = (device == num_dev - 1) & (chunk == num_chunks - 1)
+                data = _index(microbatches, mb)
+                chunk_p = _index(stages, chunk)
+                f = forward_fn(chunk)
+
+                def embed() -> jax.Array:
+                    return model.embed(pre_p, data).astype(hidden.dtype)
+
+                def idle(carry: _Carry):
+                    return carry, zeros_h, zeros_h
+
+                def forward(carry: _Carry):
+                    x = lax.cond(first, embed, lambda: carry.inputs[in_i])
+                    if remat:
+                        y, residuals = f(chunk_p, x), carry.residuals
+                    else:
+                        y, vjp = jax.vjp(f, chunk_p, x)
+                        residuals = [_set(b, res_i, r) for b, r in zip(carry.residuals, vjp.opaque_residuals)]
+
+                    def head():
+                        loss, (g_post, dy) = jax.value_and_grad(model.head_loss, argnums=(0, 1))(post_p, y, data)
+                        return loss.astype(jnp.float32), g_post, dy.astype(hidden.dtype)
+
+                    def no_head():
+                        return jnp.zeros((), jnp.float32), _zeros_like_tree(post_p), zeros_h
+
+                    loss, g_post, dy = lax.cond(last, head, no_head)
+                    carry = carry._replace(
+                        residuals=residuals,
+                        cotangents=_set(carry.cotangents, cot_i, dy),
+                        grad_post=jax.tree.map(jnp.add, carry.grad_post, g_post),
+                        loss=carry.loss + loss,
+                    )
+                    return carry, y, zeros_h
+
+                def backward(carry: _Carry):
+                    dy = carry.cotangents[cot_i]
+                    stashed = [b[res_i] for b in carry.residuals]
+
+                    def chunk_vjp(x: jax.Array):
+                        _, vjp = jax.vjp(f, chunk_p, x)
+                        if not remat:  # the re-traced forward is dead code once residuals are swapped
+                            vjp = dataclasses.replace(vjp, opaque_residuals=stashed)
+                        return vjp(dy)
+
+                    def first_stage():
+                        x, pre_vjp = jax.vjp(lambda p: model.embed(p, data).astype(hidden.dtype), pre_p)
+                        g_chunk, dx = chunk_vjp(x)
+                        return g_chunk, dx, pre_vjp(dx)[0]
+
+                    def later_stage():
+                        g_chunk, dx = chunk_vjp(carry.inputs[in_i])
+                        return g_chunk, dx, _zeros_like_tree(pre_p)
+
+                    g_chunk, dx, g_pre = lax.cond(first, first_stage, later_stage)
+                    grad_stages = jax.tree.map(
+                        lambda acc, g: _set(acc, chunk, acc[chunk] + g), carry.grad_stages, g_chunk)
+                    carry = carry._replace(
+                        grad_stages=grad_stages,
+                        grad_pre=jax.tree.map(jnp.add, carry.grad_pre, g_pre),
+                    )
+                    return carry, zeros_h, dx.astype(hidden.dtype)
+
+                branches = [None] * 3
+                branches[IDLE], branches[FORWARD], branches[BACKWARD] = idle, forward, backward
+                carry, send_act, send_cot = lax.switch(row[_COL["kind"]], branches, carry)
+                if fwd_perm:  # every device takes part in both collectives on every tick
+                    recv_act = lax.ppermute(send_act, PIPE, fwd_perm)
+                    recv_cot = lax.ppermute(send_cot, PIPE, bwd_perm)
+                else:
+                    recv_act, recv_cot = send_act, send_cot
+                carry = carry._replace(
+                    inputs=_set(carry.inputs, _slot(row[_COL["recv_in_slot"]], depths[0]), recv_act),
+                    cotangents=_set(carry.cotangents, _slot(row[_COL["recv_cot_slot"]], depths[2]), recv_cot),
+                )
+                return carry, None
+
+            carry, _ = lax.scan(tick, carry, rows)
+            scale = 1.0 / M
+            loss = lax.psum(carry.loss, (PIPE, DATA)) * scale / self.mesh.shape[DATA]
+            grads = {
+                "pre": jax.tree.map(lambda g: lax.pmean(lax.psum(g, PIPE) * scale, DATA), carry.grad_pre),
+                "stages": jax.tree.map(lambda g: lax.pmean(g * scale, DATA)[None], carry.grad_stages),
+                "post": jax.tree.map(lambda g: lax.pmean(lax.psum(g, PIPE) * scale, DATA), carry.grad_post),
+            }
+            return loss, grads
+
+        param_specs = {"pre": P(), "stages": P(PIPE), "post": P()}
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_specs, P(DATA)),
+            out_specs=(P(), param_specs),
+            check_vma=False,
+        )
+
+
+def param_shardings(mesh: Mesh, params: Params) -> Any:
+    """NamedShardings for the pipelined parameter layout: stages over ``pipe``, the rest replicated."""
+    from jax.sharding import NamedSharding
+
+    return {
+        "pre": jax.tree.map(lambda _: NamedSharding(mesh, P()), params["pre"]),
+        "stages": jax.tree.map(lambda _: NamedSharding(mesh, P(PIPE)), params["stages"]),
+        "post": jax.tree.map(lambda _: NamedSharding(mesh, P()), params["post"]),
+    }

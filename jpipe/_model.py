@@ -1,0 +1,197 @@
+"""Model description: ``pre -> L x layer -> post -> loss`` as pure functions of parameters.
+
+Each part is a Flax NNX module constructor (``rngs -> nnx.Module``) or a Flax
+Linen module instance. :class:`Staged` turns both into the same pure form,
+``init(key, x) -> params`` and ``apply(params, x) -> y``, where ``params`` is a
+nested dict of arrays (NNX: the pure dict of its ``nnx.Param`` state; Linen: its
+``params`` collection). The executor only ever sees the pure form.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+PyTree = Any
+Params = dict[str, Any]
+
+
+class Component(NamedTuple):
+    """A module in pure form: ``init(key, example_input) -> params``, ``apply(params, x) -> y``."""
+
+    init: Callable[[jax.Array, PyTree], Params]
+    apply: Callable[[Params, PyTree], PyTree]
+
+
+def _linen_component(module: nn.Module) -> Component:
+    def init(key: jax.Array, x: PyTree) -> Params:
+        variables = module.init(key, x)
+        extra = set(variables) - {"params"}
+        if extra:
+            raise ValueError(
+                f"{type(module).__name__} has variable collections {sorted(extra)} besides 'params'; "
+                "jpipe stages must be pure functions of their parameters (no batch statistics or "
+                "other mutable state)"
+            )
+        return variables.get("params", {})
+
+    def apply(params: Params, x: PyTree) -> PyTree:
+        return module.apply({"params": params}, x)
+
+    return Component(init, apply)
+
+
+def _nnx_component(constructor: Callable[[nnx.Rngs], nnx.Module], what: str) -> Component:
+    def build(key: jax.Array) -> nnx.Module:
+        module = constructor(nnx.Rngs(key))
+        if not isinstance(module, nnx.Module):
+            raise TypeError(
+                f"{what} must be a Flax NNX module constructor (rngs -> nnx.Module) or a Linen "
+                f"module instance; calling it returned {type(module).__name__}"
+            )
+        return module
+
+    abstract = nnx.eval_shape(lambda: build(jax.random.key(0)))
+    graphdef, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
+    # Non-parameter state (e.g. an unused Rngs) is kept as constants from one instance.
+    _, _, rest = nnx.split(build(jax.random.key(0)), nnx.Param, ...)
+
+    def init(key: jax.Array, x: PyTree) -> Params:
+        del x
+        return nnx.to_pure_dict(nnx.split(build(key), nnx.Param, ...)[1])
+
+    def apply(params: Params, x: PyTree) -> PyTree:
+        state = copy.copy(abstract_params)
+        state = jax.tree.map(lambda v: v, state)  # a fresh State we may fill in place
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state, rest)(x)
+
+    return Component(init, apply)
+
+
+def as_component(part: Any, what: str) -> Component:
+    """Turns an NNX constructor or a Linen module into a :class:`Component`."""
+    if isinstance(part, Component):
+        return part
+    if isinstance(part, nn.Module):
+        return _linen_component(part)
+    if isinstance(part, nnx.Module):
+        raise TypeError(
+            f"{what} is an nnx.Module instance; pass a constructor instead, e.g. "
+            f"`lambda rngs: {type(part).__name__}(..., rngs=rngs)`, so that jpipe can create "
+            "each copy with its own parameters"
+        )
+    if callable(part):
+        return _nnx_component(part, what)
+    raise TypeError(
+        f"{what} must be a Flax NNX module constructor (rngs -> nnx.Module) or a Linen module "
+        f"instance, got {type(part).__name__}"
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Staged:
+    """A model as ``pre``, ``num_layers`` copies of ``layer``, ``post`` and a ``loss``.
+
+    ``pre`` maps a micro-batch (a pytree of arrays, batch on the leading axis) to
+    hidden activations, each ``layer`` maps hidden to hidden (same shape and
+    dtype), ``post`` maps hidden to outputs and ``loss(outputs, microbatch)``
+    returns the micro-batch's mean loss. The first pipeline stage also runs
+    ``pre``, the last also runs ``post`` and the loss.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> class Embed(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.linear = nnx.Linear(3, 8, rngs=rngs)
+    ...     def __call__(self, mb):
+    ...         return self.linear(mb["x"])
+    >>> model = Staged(
+    ...     pre=Embed,
+    ...     layer=lambda rngs: nnx.Linear(8, 8, rngs=rngs),
+    ...     post=lambda rngs: nnx.Linear(8, 1, rngs=rngs),
+    ...     num_layers=4,
+    ...     loss=lambda out, mb: jnp.mean((out[:, 0] - mb["y"]) ** 2),
+    ... )
+    >>> batch = {"x": jnp.ones((4, 3)), "y": jnp.zeros(4)}
+    >>> params = model.init_params(jax.random.key(0), batch)
+    >>> len(params["layers"])
+    4
+    >>> float(model.loss_value(params, batch)) >= 0
+    True
+    """
+
+    pre: Any
+    layer: Any
+    post: Any
+    num_layers: int
+    loss: Callable[[PyTree, PyTree], jax.Array]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        object.__setattr__(self, "_pre", as_component(self.pre, "pre"))
+        object.__setattr__(self, "_layer", as_component(self.layer, "layer"))
+        object.__setattr__(self, "_post", as_component(self.post, "post"))
+
+    # -- the pure functions the executor composes -------------------------------------------
+    def embed(self, pre_params: Params, microbatch: PyTree) -> jax.Array:
+        return self._pre.apply(pre_params, microbatch)
+
+    def layer_apply(self, layer_params: Params, hidden: jax.Array) -> jax.Array:
+        return self._layer.apply(layer_params, hidden)
+
+    def head_loss(self, post_params: Params, hidden: jax.Array, microbatch: PyTree) -> jax.Array:
+        return self.loss(self._post.apply(post_params, hidden), microbatch)
+
+    # -- the plain sequential model ----------------------------------------------------------
+    def init_stacked(self, key: jax.Array, example_batch: PyTree) -> Params:
+        """Parameters with the layers stacked on a leading ``num_layers`` axis."""
+        k_pre, k_layers, k_post = jax.random.split(key, 3)
+        pre = self._pre.init(k_pre, example_batch)
+        hidden = jax.eval_shape(self._pre.apply, pre, example_batch)
+        h = jnp.zeros(hidden.shape, hidden.dtype)
+        layer_keys = jax.random.split(k_layers, self.num_layers)
+        layers = jax.vmap(lambda k: self._layer.init(k, h))(layer_keys)
+        post = self._post.init(k_post, h)
+        return {"pre": pre, "layers": layers, "post": post}
+
+    def init_params(self, key: jax.Array, example_batch: PyTree) -> Params:
+        """``{"pre": ..., "layers": [num_layers dicts], "post": ...}`` -- the sequential layout."""
+        return unstack_layers(self.init_stacked(key, example_batch))
+
+    def hidden_shape(self, pre_params: Params, microbatch: PyTree) -> jax.ShapeDtypeStruct:
+        return jax.eval_shape(self.embed, pre_params, microbatch)
+
+    def loss_value(self, params: Params, batch: PyTree) -> jax.Array:
+        """The loss of the plain (unpipelined) model on ``batch``; params in sequential layout."""
+        h = self.embed(params["pre"], batch)
+        layers = params["layers"]
+        if isinstance(layers, (list, tuple)):
+            for p in layers:
+                h = self.layer_apply(p, h)
+        else:
+            h, _ = jax.lax.scan(lambda h, p: (self.layer_apply(p, h), None), h, layers)
+        return self.head_loss(params["post"], h, batch)
+
+
+def stack_layers(params: Params) -> Params:
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return {**params, "layers": layers}
+
+
+def unstack_layers(params: Params) -> Params:
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        n = jax.tree.leaves(layers)[0].shape[0]
+        layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
+    return {**params, "layers": list(layers)}

@@ -1,0 +1,85 @@
+"""What to run: mesh shape, micro-batches, schedule, partition, recompute."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jpipe.schedules import Table, get_schedule, validate
+
+ScheduleSpec = str | Callable[[int, int], Table]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How to pipeline a model: ``pipe`` stages x ``data`` replicas, ``microbatches`` per step.
+
+    ``schedule`` is a name (``"gpipe"``, ``"1f1b"``, ``"1f1b-b"``) or a function
+    ``(num_devices, num_microbatches) -> Table``. ``partition`` gives the layers
+    of each stage (uneven allowed, default an even split); ``remat`` recomputes
+    each stage's forward inside its backward so that only stage inputs are held.
+
+    >>> plan = Plan(pipe=4, data=2, microbatches=8, partition=(5, 7, 7, 5))
+    >>> plan.stage_partition(24)
+    (5, 7, 7, 5)
+    >>> Plan(pipe=4, data=2, microbatches=8).stage_partition(10)
+    (3, 3, 2, 2)
+    """
+
+    pipe: int
+    data: int
+    microbatches: int
+    schedule: ScheduleSpec = "1f1b"
+    partition: tuple[int, ...] | None = None
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("pipe", "data", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Plan.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.schedule, str):
+            get_schedule(self.schedule)  # raises on unknown names
+        elif not callable(self.schedule):
+            raise ValueError(
+                f"Plan.schedule must be a schedule name or a function (devices, microbatches) -> "
+                f"Table, got {self.schedule!r}")
+        if self.partition is not None:
+            object.__setattr__(self, "partition", tuple(int(n) for n in self.partition))
+
+    @property
+    def num_devices(self) -> int:
+        return self.pipe * self.data
+
+    def stage_partition(self, num_layers: int) -> tuple[int, ...]:
+        """Layers per stage; checks an explicit partition against ``num_layers``."""
+        stages = self.pipe
+        if stages > num_layers:
+            raise ValueError(
+                f"{stages} pipeline stages but the model has only {num_layers} layers; "
+                f"use pipe <= {num_layers} and put the other devices on the data axis")
+        if self.partition is None:
+            base, extra = divmod(num_layers, stages)
+            return tuple(base + (s < extra) for s in range(stages))
+        p = self.partition
+        if len(p) != stages:
+            raise ValueError(f"partition {p} has {len(p)} entries but there are {stages} stages; "
+                             f"give one layer count per stage")
+        if any(n < 1 for n in p):
+            raise ValueError(f"partition {p} has a stage with {min(p)} layers; every stage needs at "
+                             f"least one layer")
+        if sum(p) != num_layers:
+            raise ValueError(f"partition {p} sums to {sum(p)} but the model has {num_layers} layers; "
+                             f"make the entries sum to {num_layers}")
+        return p
+
+    def table(self) -> Table:
+        """The validated schedule table for this plan's devices and micro-batches."""
+        make = get_schedule(self.schedule) if isinstance(self.schedule, str) else self.schedule
+        table = make(self.pipe, self.microbatches)
+        if table.num_devices != self.pipe or table.num_microbatches != self.microbatches:
+            raise ValueError(
+                f"schedule returned a table for {table.num_devices} devices and "
+                f"{table.num_microbatches} micro-batches; the plan has pipe={self.pipe}, "
+                f"microbatches={self.microbatches}")
+        return validate(table)

@@ -1,0 +1,229 @@
+"""The training API for Flax loops: ``init``, ``train_step``, ``to_sequential``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jpipe._executor import Executor, Layout, param_shardings
+from jpipe._mesh import DATA, PIPE, make_mesh
+from jpipe._model import Params, PyTree, Staged, stack_layers, unstack_layers
+from jpipe._plan import Plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """Everything static about a training run; hashed by identity so jit caches per run."""
+
+    model: Staged
+    plan: Plan
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    layout: Layout
+    executor: Executor
+    batch_spec: PyTree  # ShapeDtypeStructs of the global batch
+    grads: Any  # (params, batch) -> (loss, grads), a shard_map'ed function
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=["program"]
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Parameters (pipelined layout), optimizer state and step count; a pytree."""
+
+    step: jax.Array
+    params: Params
+    opt_state: optax.OptState
+    program: Program
+
+    @property
+    def plan(self) -> Plan:
+        return self.program.plan
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    @property
+    def table(self):
+        return self.program.executor.table
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_batch(batch: PyTree, plan: Plan, what: str = "batch") -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError(f"{what} is empty; pass a pytree of arrays with the batch on the leading axis")
+    sizes = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
+    if None in sizes:
+        raise ValueError(f"{what} has a scalar leaf; every leaf needs the batch on its leading axis")
+    if len(sizes) != 1:
+        raise ValueError(f"{what} leaves disagree on the leading (batch) size: {sorted(sizes)}")
+    (size,) = sizes
+    per = plan.data * plan.microbatches
+    if size % per:
+        raise ValueError(
+            f"{what} has {size} samples, not divisible by data x microbatches = {plan.data} x "
+            f"{plan.microbatches} = {per}; use a batch size that is a multiple of {per}"
+        )
+    return size
+
+
+def _microbatch(batch: PyTree, plan: Plan) -> PyTree:
+    size = jax.tree.leaves(batch)[0].shape[0] // (plan.data * plan.microbatches)
+    return jax.tree.map(lambda a: jnp.asarray(a[:size]), batch)
+
+
+def _to_pipelined(params: Params, layout: Layout) -> Params:
+    stacked = stack_layers(params)
+    return {"pre": stacked["pre"], "stages": layout.to_stages(stacked["layers"]), "post": stacked["post"]}
+
+
+def _check_params(params: Params, expected: Params) -> None:
+    if not isinstance(params, dict) or set(params) != {"pre", "layers", "post"}:
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"params must be a dict with keys 'pre', 'layers', 'post' "
+                         f"(what jpipe.to_sequential returns), got {got}")
+    if len(params["layers"]) != len(expected["layers"]):
+        raise ValueError(f"params['layers'] has {len(params['layers'])} entries, the model has "
+                         f"{len(expected['layers'])} layers")
+    for key in ("pre", "post"):
+        _check_tree(params[key], expected[key], f"params[{key!r}]")
+    for i, layer in enumerate(params["layers"]):
+        _check_tree(layer, expected["layers"][i], f"params['layers'][{i}]")
+
+
+def _check_tree(got: PyTree, want: PyTree, where: str) -> None:
+    if jax.tree.structure(got) != jax.tree.structure(want):
+        raise ValueError(f"{where} has structure {jax.tree.structure(got)}, expected {jax.tree.structure(want)}")
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        if np.shape(g) != w.shape:
+            raise ValueError(f"{where}{jax.tree_util.keystr(path)} has shape {np.shape(g)}, expected {w.shape}")
+
+
+def init(
+    model: Staged,
+    plan: Plan,
+    optimizer: optax.GradientTransformation,
+    example_batch: PyTree,
+    *,
+    rng: jax.Array | None = None,
+    params: Params | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> TrainState:
+    """Creates the training state: parameters placed stage by stage on a ``(pipe, data)`` mesh.
+
+    Give ``rng`` to initialise fresh parameters, or ``params`` in the sequential
+    layout (what :func:`to_sequential` returns) to start from existing ones.
+
+    >>> import jax, jax.numpy as jnp, optax, jpipe
+    >>> from flax import nnx
+    >>> class Embed(nnx.Module):
+    ...     def __init__(self, rngs): self.lin = nnx.Linear(3, 8, rngs=rngs)
+    ...     def __call__(self, mb): return self.lin(mb["x"])
+    >>> model = jpipe.Staged(pre=Embed, layer=lambda rngs: nnx.Linear(8, 8, rngs=rngs),
+    ...                      post=lambda rngs: nnx.Linear(8, 1, rngs=rngs), num_layers=2,
+    ...                      loss=lambda out, mb: jnp.mean((out[:, 0] - mb["y"]) ** 2))
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros(8)}
+    >>> plan = jpipe.Plan(pipe=2, data=1, microbatches=4)
+    >>> state = jpipe.init(model, plan, optax.sgd(0.1), batch, rng=jax.random.key(0),
+    ...                    devices=jax.devices()[:2])
+    >>> state, metrics = jpipe.train_step(state, batch)
+    >>> metrics["loss"].shape
+    ()
+    """
+    if not isinstance(model, Staged):
+        raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
+    if (rng is None) == (params is None):
+        raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
+    partition = plan.stage_partition(model.num_layers)
+    table = plan.table()
+    mesh = make_mesh(plan.pipe, plan.data, devices)
+    _check_batch(example_batch, plan, "example_batch")
+    microbatch = _microbatch(example_batch, plan)
+    layout = Layout.from_partition(partition, plan.pipe)
+
+    expected = jax.eval_shape(model.init_params, jax.random.key(0), microbatch)
+    if params is None:
+        params = model.init_stacked(rng, microbatch)
+    else:
+        _check_params(params, expected)
+    pipelined = _to_pipelined(params, layout)
+    shardings = param_shardings(mesh, pipelined)
+    # train_step donates the state: never let it alias the caller's arrays.
+    pipelined = jax.device_put(jax.tree.map(jnp.copy, pipelined), shardings)
+    opt_state = jax.jit(optimizer.init, out_shardings=_opt_shardings(optimizer, pipelined, mesh))(pipelined)
+
+    executor = Executor(model, table, layout, mesh, plan.remat)
+    batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
+    program = Program(model, plan, optimizer, mesh, layout, executor, batch_spec,
+                      executor.build(microbatch, pipelined["pre"]))
+    return TrainState(jnp.zeros((), jnp.int32), pipelined, opt_state, program)
+
+
+def _opt_shardings(optimizer, params, mesh: Mesh):
+    """Optimizer-state leaves shaped like a parameter are sharded like it; the rest replicated."""
+    abstract = jax.eval_shape(optimizer.init, params)
+    stage_shapes = {p.shape for p in jax.tree.leaves(params["stages"])}
+
+    def pick(leaf):
+        spec = P(PIPE) if leaf.shape in stage_shapes else P()
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(pick, abstract)
+
+
+def _check_step_batch(state: TrainState, batch: PyTree) -> None:
+    want = state.program.batch_spec
+    if jax.tree.structure(batch) != jax.tree.structure(want):
+        raise ValueError(f"batch has structure {jax.tree.structure(batch)}, but the state was "
+                         f"initialised with {jax.tree.structure(want)}")
+    _check_batch(batch, state.plan)
+    for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(batch), jax.tree.leaves(want)):
+        if got.shape[1:] != w.shape[1:] or got.dtype != w.dtype:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} is {got.dtype}{list(got.shape)}, but the state "
+                f"was initialised with {w.dtype}{list(w.shape)} (only the leading size may differ)")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One pipelined training step on the global ``batch``; returns the new state and metrics.
+
+    ``metrics["loss"]`` is the mean loss over the global batch. The old state
+    is donated. The batch's leading size must be divisible by data x microbatches.
+    """
+    _check_step_batch(state, batch)
+    program = state.program
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(program.mesh, P(DATA)))
+    loss, grads = program.grads(state.params, batch)
+    updates, opt_state = program.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    params = jax.lax.with_sharding_constraint(params, param_shardings(program.mesh, params))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), {"loss": loss}
+
+
+def to_sequential(state: TrainState) -> Params:
+    """The parameters in sequential layout: ``{"pre": ..., "layers": [L dicts], "post": ...}``.
+
+    Gathered to host-addressable arrays; use them with ``model.loss_value`` on
+    one device, to export, or as ``jpipe.init(..., params=...)``.
+    """
+    layout = state.program.layout
+    params = state.params
+    layers = layout.from_stages(params["stages"])
+    return unstack_layers({"pre": params["pre"], "layers": layers, "post": params["post"]})

@@ -1,0 +1,35 @@
+"""Pipeline schedules as data: generators, validation and rendering. No JAX in here.
+
+>>> from jpipe import schedules
+>>> t = schedules.one_f_one_b(num_devices=4, num_microbatches=8)
+>>> t.held_microbatches().tolist()
+[4, 3, 2, 1]
+"""
+
+from jpipe.schedules._generators import (
+    SCHEDULES,
+    early_backward,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+    one_f_one_b_policy_b,
+)
+from jpipe.schedules._render import ascii_gantt
+from jpipe.schedules._table import (
+    BACKWARD,
+    FIELDS,
+    FORWARD,
+    IDLE,
+    NO_SLOT,
+    Action,
+    ScheduleError,
+    Table,
+    table_from_orders,
+)
+from jpipe.schedules._validate import validate
+
+__all__ = [
+    "BACKWARD", "FIELDS", "FORWARD", "IDLE", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError",
+    "Table", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
+    "one_f_one_b_policy_b", "table_from_orders", "validate",
+]

@@ -1,0 +1,342 @@
+"""Schedule tables: what every device does at every tick, and where data waits.
+
+A schedule starts as per-device *orders* (like torch.distributed.pipelining's
+per-rank action lists). :func:`table_from_orders` times them in lock-step --
+the way one SPMD program executes them: in tick ``t`` every device runs at most
+one action, then activations move one device forward and cotangents one device
+back, arriving for tick ``t + 1`` -- and assigns buffer slots from liveness.
+
+The resulting :class:`Table` is plain data (numpy arrays, no JAX): the executor
+interprets it, the validator checks it, the simulator times it and the
+renderers draw it.
+
+Virtual stage ``k`` lives on device ``k % P`` as its chunk ``k // P`` (one chunk
+per device unless the schedule interleaves). Activations flow from stage ``k``
+to ``k + 1`` and cotangents from ``k + 1`` back to ``k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+KIND_NAMES = {IDLE: ".", FORWARD: "F", BACKWARD: "B"}
+_KIND_CODES = {"F": FORWARD, "B": BACKWARD}
+
+NO_SLOT = -1
+
+# Column order of Table.as_array(); the executor reads rows by these indices.
+FIELDS = (
+    "kind",  # IDLE / FORWARD / BACKWARD
+    "microbatch",  # micro-batch index of the action (0 when idle)
+    "chunk",  # which of the device's chunks (virtual stages) the action runs
+    "in_slot",  # input buffer slot the action reads (NO_SLOT: reads the batch)
+    "res_slot",  # residual slot F writes and B reads (stash of the forward)
+    "cot_slot",  # cotangent slot B reads; F of the last stage writes its loss gradient here
+    "recv_in_slot",  # where the activation arriving at the end of this tick is stored
+    "recv_cot_slot",  # where the cotangent arriving at the end of this tick is stored
+)
+
+
+class Action(NamedTuple):
+    """One unit of work: the forward or backward of one micro-batch on one (virtual) stage.
+
+    >>> Action("F", microbatch=0, stage=1)
+    Action(kind='F', microbatch=0, stage=1)
+    """
+
+    kind: str
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+class ScheduleError(ValueError):
+    """A schedule table that cannot execute correctly; the message names tick, device and micro-batch."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Table:
+    """A lock-step schedule: ``[tick, device]`` arrays of actions and buffer slots.
+
+    Build one with a generator (``jpipe.schedules.one_f_one_b(4, 8)``) or with
+    :func:`table_from_orders`; check one with :func:`jpipe.schedules.validate`.
+    """
+
+    name: str
+    num_devices: int
+    num_chunks: int
+    num_microbatches: int
+    kind: np.ndarray
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    in_slot: np.ndarray
+    res_slot: np.ndarray
+    cot_slot: np.ndarray
+    recv_in_slot: np.ndarray
+    recv_cot_slot: np.ndarray
+
+    @property
+    def num_ticks(self) -> int:
+        return int(self.kind.shape[0])
+
+    @property
+    def num_stages(self) -> int:
+        """Number of virtual stages (devices x chunks)."""
+        return self.num_devices * self.num_chunks
+
+    def stage_of(self, device: int, chunk: int) -> int:
+        return chunk * self.num_devices + device
+
+    def action(self, tick: int, device: int) -> Action | None:
+        kind = int(self.kind[tick, device])
+        if kind == IDLE:
+            return None
+        stage = self.stage_of(device, int(self.chunk[tick, device]))
+        return Action(KIND_NAMES[kind], int(self.microbatch[tick, device]), stage)
+
+    def orders(self) -> list[list[Action]]:
+        """Per-device action lists in execution order (the torch-style view)."""
+        return [
+            [a for t in range(self.num_ticks) if (a := self.action(t, d)) is not None]
+            for d in range(self.num_devices)
+        ]
+
+    def _depth(self, *fields: np.ndarray) -> int:
+        return int(max((int(f.max(initial=NO_SLOT)) for f in fields), default=NO_SLOT)) + 1
+
+    @property
+    def in_depth(self) -> int:
+        """Input-buffer slots a device needs: the most stage inputs it holds at once."""
+        return self._depth(self.in_slot, self.recv_in_slot)
+
+    @property
+    def res_depth(self) -> int:
+        """Residual slots a device needs: the most forwards awaiting their backward."""
+        return self._depth(self.res_slot)
+
+    @property
+    def cot_depth(self) -> int:
+        return self._depth(self.cot_slot, self.recv_cot_slot)
+
+    def held_microbatches(self) -> np.ndarray:
+        """Per device, the peak number of micro-batches whose forward ran and backward has not."""
+        held = np.zeros(self.num_devices, dtype=int)
+        live = np.zeros(self.num_devices, dtype=int)
+        for t in range(self.num_ticks):
+            live += self.kind[t] == FORWARD
+            held = np.maximum(held, live)
+            live -= self.kind[t] == BACKWARD
+        return held
+
+    def as_array(self) -> np.ndarray:
+        """``int32[ticks, devices, len(FIELDS)]``, the form the executor scans over."""
+        return np.stack([getattr(self, f) for f in FIELDS], axis=-1).astype(np.int32)
+
+    def __repr__(self) -> str:
+        return (
+            f"Table({self.name!r}, devices={self.num_devices}, chunks={self.num_chunks}, "
+            f"microbatches={self.num_microbatches}, ticks={self.num_ticks})"
+        )
+
+    def __str__(self) -> str:
+        from jpipe.schedules._render import ascii_gantt
+
+        return ascii_gantt(self)
+
+
+def _parse_action(a: Action | tuple | str) -> Action:
+    if isinstance(a, Action):
+        return a
+    if isinstance(a, tuple):
+        return Action(*a)
+    raise TypeError(f"expected an Action or (kind, microbatch, stage) tuple, got {a!r}")
+
+
+def table_from_orders(
+    orders: Sequence[Sequence[Action]],
+    num_microbatches: int,
+    *,
+    num_chunks: int = 1,
+    name: str = "custom",
+) -> Table:
+    """Times per-device action orders in lock-step and assigns buffer slots.
+
+    Each device runs its actions in the given order, each at the first tick at
+    which its inputs have arrived. Slots are reused as soon as they are free, so
+    buffer depth follows the schedule's liveness, not ``num_microbatches``.
+
+    >>> orders = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 1), Action("B", 0, 1)]]
+    >>> table_from_orders(orders, num_microbatches=1).num_ticks
+    4
+    """
+    num_devices = len(orders)
+    if num_devices < 1:
+        raise ScheduleError("a schedule needs at least one device")
+    orders = [[_parse_action(a) for a in order] for order in orders]
+    num_stages = num_devices * num_chunks
+    _check_orders(orders, num_microbatches, num_chunks)
+
+    ran: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, stage) -> tick
+    position = [0] * num_devices
+    rows: list[list[Action | None]] = []
+    total = sum(len(o) for o in orders)
+    while len(ran) < total:
+        tick = len(rows)
+        row: list[Action | None] = []
+        for d in range(num_devices):
+            a = orders[d][position[d]] if position[d] < len(orders[d]) else None
+            if a is not None and _ready(a, ran, tick, num_stages):
+                row.append(a)
+            else:
+                row.append(None)
+        if all(a is None for a in row):
+            waiting = [
+                f"device {d} waits to run {orders[d][position[d]]} "
+                f"({_missing(orders[d][position[d]], ran, num_stages)})"
+                for d in range(num_devices)
+                if position[d] < len(orders[d])
+            ]
+            raise ScheduleError(
+                f"schedule {name!r} deadlocks at tick {tick}: " + "; ".join(waiting)
+                + ". Reorder the actions so that every dependency runs earlier."
+            )
+        for d, a in enumerate(row):
+            if a is not None:
+                ran[(a.kind, a.microbatch, a.stage)] = tick
+                position[d] += 1
+        rows.append(row)
+    return _assign_slots(rows, num_devices, num_chunks, num_microbatches, name)
+
+
+def _check_orders(orders: list[list[Action]], num_microbatches: int, num_chunks: int) -> None:
+    num_devices = len(orders)
+    num_stages = num_devices * num_chunks
+    expected = {
+        (kind, mb, k) for kind in "FB" for mb in range(num_microbatches) for k in range(num_stages)
+    }
+    seen: set[tuple[str, int, int]] = set()
+    for d, order in enumerate(orders):
+        for a in order:
+            key = (a.kind, a.microbatch, a.stage)
+            if a.kind not in _KIND_CODES:
+                raise ScheduleError(f"device {d}: unknown action kind {a.kind!r} (use 'F' or 'B')")
+            if not 0 <= a.microbatch < num_microbatches:
+                raise ScheduleError(
+                    f"device {d}: {a} names micro-batch {a.microbatch}, "
+                    f"outside 0..{num_microbatches - 1}"
+                )
+            if not 0 <= a.stage < num_stages or a.stage % num_devices != d:
+                raise ScheduleError(
+                    f"device {d}: {a} names stage {a.stage}, which lives on device "
+                    f"{a.stage % num_devices} (stage k runs on device k % {num_devices})"
+                )
+            if key in seen:
+                raise ScheduleError(f"device {d}: {a} appears twice")
+            seen.add(key)
+    missing = sorted(expected - seen)
+    if missing:
+        kind, mb, k = missing[0]
+        raise ScheduleError(
+            f"{len(missing)} actions are missing, e.g. {kind} of micro-batch {mb} on stage {k} "
+            f"(device {k % num_devices}); every stage needs F and B of every micro-batch"
+        )
+
+
+def _deps(a: Action, num_stages: int) -> list[tuple[str, int, int]]:
+    if a.kind == "F":
+        return [("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
+    deps = [("F", a.microbatch, a.stage)]
+    if a.stage < num_stages - 1:
+        deps.append(("B", a.microbatch, a.stage + 1))
+    return deps
+
+
+def _ready(a: Action, ran: dict, tick: int, num_stages: int) -> bool:
+    return all(ran.get(dep, tick) < tick for dep in _deps(a, num_stages))
+
+
+def _missing(a: Action, ran: dict, num_stages: int) -> str:
+    missing = [dep for dep in _deps(a, num_stages) if dep not in ran]
+    return "needs " + ", ".join(f"{k}{mb} of stage {s}" for k, mb, s in missing) if missing else "?"
+
+
+class _SlotPool:
+    """Greedy slot assignment: a slot is free again once its last reader has run."""
+
+    def __init__(self) -> None:
+        self.free_from: list[float] = []  # slot -> first phase at which it may be written again
+
+    def take(self, start: float, end: float) -> int:
+        for slot, free in enumerate(self.free_from):
+            if free <= start:
+                self.free_from[slot] = end + 0.5
+                return slot
+        self.free_from.append(end + 0.5)
+        return len(self.free_from) - 1
+
+
+def _assign_slots(
+    rows: list[list[Action | None]],
+    num_devices: int,
+    num_chunks: int,
+    num_microbatches: int,
+    name: str,
+) -> Table:
+    num_ticks = len(rows)
+    num_stages = num_devices * num_chunks
+    shape = (num_ticks, num_devices)
+    arrays = {f: np.full(shape, NO_SLOT, dtype=np.int32) for f in FIELDS}
+    arrays["kind"][:] = IDLE
+    arrays["microbatch"][:] = 0
+    arrays["chunk"][:] = 0
+    when: dict[tuple[str, int, int], int] = {}
+    for t, row in enumerate(rows):
+        for d, a in enumerate(row):
+            if a is not None:
+                when[(a.kind, a.microbatch, a.stage)] = t
+                arrays["kind"][t, d] = _KIND_CODES[a.kind]
+                arrays["microbatch"][t, d] = a.microbatch
+                arrays["chunk"][t, d] = a.stage // num_devices
+
+    # Phases order events inside a tick: 2t = compute of tick t, 2t + 1 = arrivals at its end.
+    # A buffer entry is live from the phase it is written to the phase of its last read.
+    intervals: list[tuple[float, float, str, int, int]] = []  # (start, end, buffer, mb, stage)
+    for mb in range(num_microbatches):
+        for k in range(num_stages):
+            f, b = when[("F", mb, k)], when[("B", mb, k)]
+            # recv_*[t, d]: the slot on device d that takes what arrives at the end of tick t.
+            if k > 0:  # the input arrives at the end of the previous stage's forward
+                intervals.append((2 * when[("F", mb, k - 1)] + 1, 2 * b, "in", mb, k))
+            intervals.append((2 * f, 2 * b, "res", mb, k))
+            if k < num_stages - 1:
+                intervals.append((2 * when[("B", mb, k + 1)] + 1, 2 * b, "cot", mb, k))
+            else:  # the last stage's forward produces the loss gradient itself
+                intervals.append((2 * f, 2 * b, "cot", mb, k))
+
+    pools = {(buf, d): _SlotPool() for buf in ("in", "res", "cot") for d in range(num_devices)}
+    for start, end, buf, mb, k in sorted(intervals):
+        d = k % num_devices
+        slot = pools[(buf, d)].take(start, end)
+        f, b = when[("F", mb, k)], when[("B", mb, k)]
+        if buf == "in":
+            arrays["in_slot"][f, d] = slot
+            arrays["in_slot"][b, d] = slot
+            arrays["recv_in_slot"][when[("F", mb, k - 1)], d] = slot
+        elif buf == "res":
+            arrays["res_slot"][f, d] = slot
+            arrays["res_slot"][b, d] = slot
+        else:
+            arrays["cot_slot"][b, d] = slot
+            if k < num_stages - 1:
+                arrays["recv_cot_slot"][when[("B", mb, k + 1)], d] = slot
+            else:
+                arrays["cot_slot"][f, d] = slot
+    return Table(name, num_devices, num_chunks, num_microbatches, **arrays)
+
