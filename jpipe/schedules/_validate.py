@@ -80,6 +80,11 @@ def validate(table: Table) -> Table:
                 if k == S - 1:
                     write("cot", t, d, int(table.cot_slot[t, d]), (mb, k), label)
                 else:
+                    if int(table.cot_slot[t, d]) != NO_SLOT:
+                        # The executor writes every forward's dy (zeros unless last) to cot_slot.
+                        raise ScheduleError(
+                            f"{where(t, d, mb)}: {label} sets cot slot {int(table.cot_slot[t, d])}, "
+                            f"but only the last stage's forward writes a cotangent (set it to {NO_SLOT})")
                     sends_in[(d + 1) % P] = (mb, k + 1)
             else:
                 if (FORWARD, mb, k) not in done:
