@@ -109,6 +109,19 @@ class _Carry(NamedTuple):
     loss: jax.Array
 
 
+class _TickOut(NamedTuple):
+    """What one tick's action produces; idle and unused fields are zeros."""
+
+    send_act: jax.Array
+    send_cot: jax.Array
+    residuals: list
+    loss_grad: jax.Array
+    loss: jax.Array
+    grad_chunk: PyTree
+    grad_pre: PyTree
+    grad_post: PyTree
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Executor:
     """Builds ``grads(params, batch) -> (loss, grads)`` for a model, table, layout and mesh."""
@@ -184,46 +197,47 @@ class Executor:
                 data = _index(microbatches, mb)
                 chunk_p = _index(stages, chunk)
                 f = forward_fn(chunk)
+                # Buffers are read and written only out here: passing them through the switch
+                # makes XLA copy them on every tick.
+                x_in = carry.inputs[in_i]
+                dy_in = carry.cotangents[cot_i]
+                stashed = [b[res_i] for b in carry.residuals]
+                nothing = _TickOut(
+                    send_act=zeros_h, send_cot=zeros_h, residuals=[jnp.zeros_like(r) for r in stashed],
+                    loss_grad=zeros_h, loss=jnp.zeros((), jnp.float32), grad_chunk=_zeros_like_tree(chunk_p),
+                    grad_pre=_zeros_like_tree(pre_p), grad_post=_zeros_like_tree(post_p))
 
                 def embed() -> jax.Array:
                     return model.embed(pre_p, data).astype(hidden.dtype)
 
-                def idle(carry: _Carry):
-                    return carry, zeros_h, zeros_h
+                def idle() -> _TickOut:
+                    return nothing
 
-                def forward(carry: _Carry):
-                    x = lax.cond(first, embed, lambda: carry.inputs[in_i])
+                def forward() -> _TickOut:
+                    x = lax.cond(first, embed, lambda: x_in)
                     if remat:
-                        y, residuals = f(chunk_p, x), carry.residuals
+                        y, residuals = f(chunk_p, x), nothing.residuals
                     else:
                         y, vjp = jax.vjp(f, chunk_p, x)
-                        residuals = [_set(b, res_i, r) for b, r in zip(carry.residuals, vjp.opaque_residuals)]
+                        residuals = list(vjp.opaque_residuals)
 
                     def head():
                         loss, (g_post, dy) = jax.value_and_grad(model.head_loss, argnums=(0, 1))(post_p, y, data)
                         return loss.astype(jnp.float32), g_post, dy.astype(hidden.dtype)
 
                     def no_head():
-                        return jnp.zeros((), jnp.float32), _zeros_like_tree(post_p), zeros_h
+                        return nothing.loss, nothing.grad_post, zeros_h
 
                     loss, g_post, dy = lax.cond(last, head, no_head)
-                    carry = carry._replace(
-                        residuals=residuals,
-                        cotangents=_set(carry.cotangents, cot_i, dy),
-                        grad_post=jax.tree.map(jnp.add, carry.grad_post, g_post),
-                        loss=carry.loss + loss,
-                    )
-                    return carry, y, zeros_h
+                    return nothing._replace(send_act=y, residuals=residuals, loss_grad=dy, loss=loss,
+                                            grad_post=g_post)
 
-                def backward(carry: _Carry):
-                    dy = carry.cotangents[cot_i]
-                    stashed = [b[res_i] for b in carry.residuals]
-
+                def backward() -> _TickOut:
                     def chunk_vjp(x: jax.Array):
                         _, vjp = jax.vjp(f, chunk_p, x)
                         if not remat:  # the re-traced forward is dead code once residuals are swapped
                             vjp = dataclasses.replace(vjp, opaque_residuals=stashed)
-                        return vjp(dy)
+                        return vjp(dy_in)
 
                     def first_stage():
                         x, pre_vjp = jax.vjp(lambda p: model.embed(p, data).astype(hidden.dtype), pre_p)
@@ -231,29 +245,34 @@ class Executor:
                         return g_chunk, dx, pre_vjp(dx)[0]
 
                     def later_stage():
-                        g_chunk, dx = chunk_vjp(carry.inputs[in_i])
-                        return g_chunk, dx, _zeros_like_tree(pre_p)
+                        g_chunk, dx = chunk_vjp(x_in)
+                        return g_chunk, dx, nothing.grad_pre
 
                     g_chunk, dx, g_pre = lax.cond(first, first_stage, later_stage)
-                    grad_stages = jax.tree.map(
-                        lambda acc, g: _set(acc, chunk, acc[chunk] + g), carry.grad_stages, g_chunk)
-                    carry = carry._replace(
-                        grad_stages=grad_stages,
-                        grad_pre=jax.tree.map(jnp.add, carry.grad_pre, g_pre),
-                    )
-                    return carry, zeros_h, dx.astype(hidden.dtype)
+                    return nothing._replace(send_cot=dx.astype(hidden.dtype), grad_chunk=g_chunk, grad_pre=g_pre)
 
-                branches = [None] * 3
-                branches[IDLE], branches[FORWARD], branches[BACKWARD] = idle, forward, backward
-                carry, send_act, send_cot = lax.switch(row[_COL["kind"]], branches, carry)
+                branches = [idle, idle, idle]
+                branches[FORWARD], branches[BACKWARD] = forward, backward
+                out = lax.switch(row[_COL["kind"]], branches)
                 if fwd_perm:  # every device takes part in both collectives on every tick
-                    recv_act = lax.ppermute(send_act, PIPE, fwd_perm)
-                    recv_cot = lax.ppermute(send_cot, PIPE, bwd_perm)
+                    recv_act = lax.ppermute(out.send_act, PIPE, fwd_perm)
+                    recv_cot = lax.ppermute(out.send_cot, PIPE, bwd_perm)
                 else:
-                    recv_act, recv_cot = send_act, send_cot
-                carry = carry._replace(
+                    recv_act, recv_cot = out.send_act, out.send_cot
+                is_fwd = row[_COL["kind"]] == FORWARD
+                # Writes the table does not want go to the trash slot at index `depth`.
+                res_w = jnp.where(is_fwd, res_i, depths[1])
+                cot_w = jnp.where(is_fwd & last, cot_i, depths[2])  # F of the last stage stores its loss gradient
+                cotangents = _set(carry.cotangents, cot_w, out.loss_grad)
+                carry = _Carry(
                     inputs=_set(carry.inputs, _slot(row[_COL["recv_in_slot"]], depths[0]), recv_act),
-                    cotangents=_set(carry.cotangents, _slot(row[_COL["recv_cot_slot"]], depths[2]), recv_cot),
+                    residuals=[_set(b, res_w, r) for b, r in zip(carry.residuals, out.residuals)],
+                    cotangents=_set(cotangents, _slot(row[_COL["recv_cot_slot"]], depths[2]), recv_cot),
+                    grad_stages=jax.tree.map(lambda acc, g: _set(acc, chunk, acc[chunk] + g),
+                                             carry.grad_stages, out.grad_chunk),
+                    grad_pre=jax.tree.map(jnp.add, carry.grad_pre, out.grad_pre),
+                    grad_post=jax.tree.map(jnp.add, carry.grad_post, out.grad_post),
+                    loss=carry.loss + out.loss,
                 )
                 return carry, None
 
