@@ -1,4 +1,4 @@
-"""Every test runs on 8 simulated CPU devices; XLA_FLAGS must be set before jax is imported."""
+"""Every test and doctest runs on 8 simulated CPU devices; XLA_FLAGS must be set before jax is imported."""
 
 import os
 
