@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = train.add_argument
-    add("--steps", type=int, default=200, help="training steps")
+    add("--steps", type=int, default=300, help="training steps")
     add("--batch-size", type=int, default=32, help="sequences per step (global batch)")
     add("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
     add("--pipe", type=int, default=4, help="pipeline stages")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--heads", type=int, default=4, help="attention heads")
     add("--framework", choices=("nnx", "linen"), default="nnx", help="Flax API of the model")
     add("--seed", type=int, default=0, help="seed of the initial parameters and of the batches")
-    add("--log-every", type=int, default=20, help="print the mean training loss every this many steps")
+    add("--log-every", type=int, default=25, help="print the mean training loss every this many steps")
     add("--eval-batches", type=int, default=8, help="held-out batches (of --batch-size) to evaluate")
     add("--max-chars", type=int, default=3_000_000, help="bytes of standard-library source to use")
     train.set_defaults(run=_train)
