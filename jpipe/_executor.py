@@ -197,13 +197,11 @@ class Executor:
                 data = _index(microbatches, mb)
                 chunk_p = _index(stages, chunk)
                 f = forward_fn(chunk)
-                # Buffers are read and written only out here: passing them through the switch
-                # makes XLA copy them on every tick.
-                x_in = carry.inputs[in_i]
-                dy_in = carry.cotangents[cot_i]
-                stashed = [b[res_i] for b in carry.residuals]
+                # Branches only read the buffers; every write happens out here. A buffer
+                # passed through the switch is copied by XLA on every tick.
                 nothing = _TickOut(
-                    send_act=zeros_h, send_cot=zeros_h, residuals=[jnp.zeros_like(r) for r in stashed],
+                    send_act=zeros_h, send_cot=zeros_h,
+                    residuals=[jnp.zeros(b.shape[1:], b.dtype) for b in carry.residuals],
                     loss_grad=zeros_h, loss=jnp.zeros((), jnp.float32), grad_chunk=_zeros_like_tree(chunk_p),
                     grad_pre=_zeros_like_tree(pre_p), grad_post=_zeros_like_tree(post_p))
 
@@ -214,7 +212,7 @@ class Executor:
                     return nothing
 
                 def forward() -> _TickOut:
-                    x = lax.cond(first, embed, lambda: x_in)
+                    x = lax.cond(first, embed, lambda: carry.inputs[in_i])
                     if remat:
                         y, residuals = f(chunk_p, x), nothing.residuals
                     else:
@@ -236,8 +234,9 @@ class Executor:
                     def chunk_vjp(x: jax.Array):
                         _, vjp = jax.vjp(f, chunk_p, x)
                         if not remat:  # the re-traced forward is dead code once residuals are swapped
+                            stashed = [b[res_i] for b in carry.residuals]
                             vjp = dataclasses.replace(vjp, opaque_residuals=stashed)
-                        return vjp(dy_in)
+                        return vjp(carry.cotangents[cot_i])
 
                     def first_stage():
                         x, pre_vjp = jax.vjp(lambda p: model.embed(p, data).astype(hidden.dtype), pre_p)
@@ -245,7 +244,7 @@ class Executor:
                         return g_chunk, dx, pre_vjp(dx)[0]
 
                     def later_stage():
-                        g_chunk, dx = chunk_vjp(x_in)
+                        g_chunk, dx = chunk_vjp(carry.inputs[in_i])
                         return g_chunk, dx, nothing.grad_pre
 
                     g_chunk, dx, g_pre = lax.cond(first, first_stage, later_stage)
@@ -261,12 +260,13 @@ class Executor:
                     recv_act, recv_cot = out.send_act, out.send_cot
                 is_fwd = row[_COL["kind"]] == FORWARD
                 # Writes the table does not want go to the trash slot at index `depth`.
-                res_w = jnp.where(is_fwd, res_i, depths[1])
                 cot_w = jnp.where(is_fwd & last, cot_i, depths[2])  # F of the last stage stores its loss gradient
                 cotangents = _set(carry.cotangents, cot_w, out.loss_grad)
                 carry = _Carry(
                     inputs=_set(carry.inputs, _slot(row[_COL["recv_in_slot"]], depths[0]), recv_act),
-                    residuals=[_set(b, res_w, r) for b, r in zip(carry.residuals, out.residuals)],
+                    # a two-way cond writes in place; a write to the trash slot would cost a copy
+                    residuals=[lax.cond(is_fwd, lambda b, r: _set(b, res_i, r), lambda b, r: b, b, r)
+                               for b, r in zip(carry.residuals, out.residuals)],
                     cotangents=_set(cotangents, _slot(row[_COL["recv_cot_slot"]], depths[2]), recv_cot),
                     grad_stages=jax.tree.map(lambda acc, g: _set(acc, chunk, acc[chunk] + g),
                                              carry.grad_stages, out.grad_chunk),

@@ -172,7 +172,8 @@ def init(
     batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
     program = Program(model, plan, optimizer, mesh, layout, executor, batch_spec,
                       executor.build(microbatch, pipelined["pre"]))
-    return TrainState(jnp.zeros((), jnp.int32), pipelined, opt_state, program)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))  # as train_step returns it
+    return TrainState(step, pipelined, opt_state, program)
 
 
 def _opt_shardings(optimizer, params, mesh: Mesh):
