@@ -19,6 +19,7 @@ from jpipe.schedules._table import (
     BACKWARD,
     FIELDS,
     FORWARD,
+    WEIGHT,
     IDLE,
     NO_SLOT,
     Action,
@@ -29,7 +30,7 @@ from jpipe.schedules._table import (
 from jpipe.schedules._validate import validate
 
 __all__ = [
-    "BACKWARD", "FIELDS", "FORWARD", "IDLE", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError",
+    "BACKWARD", "FIELDS", "FORWARD", "IDLE", "WEIGHT", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError",
     "Table", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
     "one_f_one_b_policy_b", "table_from_orders", "validate",
 ]

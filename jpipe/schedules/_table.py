@@ -23,27 +23,31 @@ from typing import NamedTuple
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-KIND_NAMES = {IDLE: ".", FORWARD: "F", BACKWARD: "B"}
-_KIND_CODES = {"F": FORWARD, "B": BACKWARD}
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+KIND_NAMES = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
+_KIND_CODES = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
 
 NO_SLOT = -1
 
 # Column order of Table.as_array(); the executor reads rows by these indices.
 FIELDS = (
-    "kind",  # IDLE / FORWARD / BACKWARD
+    "kind",  # IDLE / FORWARD / BACKWARD / WEIGHT
     "microbatch",  # micro-batch index of the action (0 when idle)
     "chunk",  # which of the device's chunks (virtual stages) the action runs
     "in_slot",  # input buffer slot the action reads (NO_SLOT: reads the batch)
-    "res_slot",  # residual slot F writes and B reads (stash of the forward)
-    "cot_slot",  # cotangent slot B reads; F of the last stage writes its loss gradient here
+    "res_slot",  # residual slot F writes and B (and W) read (stash of the forward)
+    "cot_slot",  # cotangent slot B (and W) read; F of the last stage writes its loss gradient here
     "recv_in_slot",  # where the activation arriving at the end of this tick is stored
     "recv_cot_slot",  # where the cotangent arriving at the end of this tick is stored
 )
 
 
 class Action(NamedTuple):
-    """One unit of work: the forward or backward of one micro-batch on one (virtual) stage.
+    """One unit of work on one micro-batch and one (virtual) stage.
+
+    ``F`` is the forward, ``B`` the backward. A schedule may split the backward:
+    then ``B`` computes only the input gradient (what the previous stage waits
+    for) and ``W`` the weight gradient, which can be deferred into bubbles.
 
     >>> Action("F", microbatch=0, stage=1)
     Action(kind='F', microbatch=0, stage=1)
@@ -87,6 +91,11 @@ class Table:
         return int(self.kind.shape[0])
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into B (input gradient) and W (weight gradient)."""
+        return bool((self.kind == WEIGHT).any())
+
+    @property
     def num_stages(self) -> int:
         """Number of virtual stages (devices x chunks)."""
         return self.num_devices * self.num_chunks
@@ -126,13 +135,15 @@ class Table:
         return self._depth(self.cot_slot, self.recv_cot_slot)
 
     def held_microbatches(self) -> np.ndarray:
-        """Per device, the peak number of micro-batches whose forward ran and backward has not."""
+        """Per device, the peak number of micro-batches whose forward ran and whose backward
+        (its W, when backwards are split) has not."""
+        done = WEIGHT if self.splits_backward else BACKWARD
         held = np.zeros(self.num_devices, dtype=int)
         live = np.zeros(self.num_devices, dtype=int)
         for t in range(self.num_ticks):
             live += self.kind[t] == FORWARD
             held = np.maximum(held, live)
-            live -= self.kind[t] == BACKWARD
+            live -= self.kind[t] == done
         return held
 
     def as_array(self) -> np.ndarray:
@@ -218,15 +229,16 @@ def table_from_orders(
 def _check_orders(orders: list[list[Action]], num_microbatches: int, num_chunks: int) -> None:
     num_devices = len(orders)
     num_stages = num_devices * num_chunks
+    kinds = "FBW" if any(a.kind == "W" for order in orders for a in order) else "FB"
     expected = {
-        (kind, mb, k) for kind in "FB" for mb in range(num_microbatches) for k in range(num_stages)
+        (kind, mb, k) for kind in kinds for mb in range(num_microbatches) for k in range(num_stages)
     }
     seen: set[tuple[str, int, int]] = set()
     for d, order in enumerate(orders):
         for a in order:
             key = (a.kind, a.microbatch, a.stage)
             if a.kind not in _KIND_CODES:
-                raise ScheduleError(f"device {d}: unknown action kind {a.kind!r} (use 'F' or 'B')")
+                raise ScheduleError(f"device {d}: unknown action kind {a.kind!r} (use 'F', 'B' or 'W')")
             if not 0 <= a.microbatch < num_microbatches:
                 raise ScheduleError(
                     f"device {d}: {a} names micro-batch {a.microbatch}, "
@@ -245,13 +257,16 @@ def _check_orders(orders: list[list[Action]], num_microbatches: int, num_chunks:
         kind, mb, k = missing[0]
         raise ScheduleError(
             f"{len(missing)} actions are missing, e.g. {kind} of micro-batch {mb} on stage {k} "
-            f"(device {k % num_devices}); every stage needs F and B of every micro-batch"
+            f"(device {k % num_devices}); every stage needs F and B of every micro-batch, and W "
+            "too when any backward is split"
         )
 
 
 def _deps(a: Action, num_stages: int) -> list[tuple[str, int, int]]:
     if a.kind == "F":
         return [("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [("B", a.microbatch, a.stage)]
     deps = [("F", a.microbatch, a.stage)]
     if a.stage < num_stages - 1:
         deps.append(("B", a.microbatch, a.stage + 1))
@@ -308,14 +323,16 @@ def _assign_slots(
     # Phases order events inside a tick: 2t = compute of tick t, 2t + 1 = arrivals at its end.
     # A buffer entry is live from the phase it is written to the phase of its last read.
     intervals: list[tuple[float, float, str, int, int]] = []  # (start, end, buffer, mb, stage)
+    split = any(kind == "W" for kind, _, _ in when)
     for mb in range(num_microbatches):
         for k in range(num_stages):
-            f, b = when[("F", mb, k)], when[("B", mb, k)]
+            # b: the last action that reads the stashed state (W when backwards are split)
+            f, b = when[("F", mb, k)], when[("W" if split else "B", mb, k)]
             # recv_*[t, d]: the slot on device d that takes what arrives at the end of tick t.
             if k > 0:  # the input arrives at the end of the previous stage's forward
                 intervals.append((2 * when[("F", mb, k - 1)] + 1, 2 * b, "in", mb, k))
             intervals.append((2 * f, 2 * b, "res", mb, k))
-            if k < num_stages - 1:
+            if k < num_stages - 1:  # the cotangent arrives at the end of the next stage's B
                 intervals.append((2 * when[("B", mb, k + 1)] + 1, 2 * b, "cot", mb, k))
             else:  # the last stage's forward produces the loss gradient itself
                 intervals.append((2 * f, 2 * b, "cot", mb, k))
@@ -324,16 +341,15 @@ def _assign_slots(
     for start, end, buf, mb, k in sorted(intervals):
         d = k % num_devices
         slot = pools[(buf, d)].take(start, end)
-        f, b = when[("F", mb, k)], when[("B", mb, k)]
+        f = when[("F", mb, k)]
+        readers = [when[(kind, mb, k)] for kind in ("BW" if split else "B")]
         if buf == "in":
-            arrays["in_slot"][f, d] = slot
-            arrays["in_slot"][b, d] = slot
+            arrays["in_slot"][[f, *readers], d] = slot
             arrays["recv_in_slot"][when[("F", mb, k - 1)], d] = slot
         elif buf == "res":
-            arrays["res_slot"][f, d] = slot
-            arrays["res_slot"][b, d] = slot
+            arrays["res_slot"][[f, *readers], d] = slot
         else:
-            arrays["cot_slot"][b, d] = slot
+            arrays["cot_slot"][readers, d] = slot
             if k < num_stages - 1:
                 arrays["recv_cot_slot"][when[("B", mb, k + 1)], d] = slot
             else:

@@ -9,7 +9,7 @@ names the tick, device and micro-batch.
 
 from __future__ import annotations
 
-from jpipe.schedules._table import BACKWARD, FORWARD, IDLE, NO_SLOT, ScheduleError, Table
+from jpipe.schedules._table import BACKWARD, FORWARD, IDLE, KIND_NAMES, NO_SLOT, WEIGHT, ScheduleError, Table
 
 
 def validate(table: Table) -> Table:
@@ -27,6 +27,7 @@ def validate(table: Table) -> Table:
         if getattr(table, field).shape != shape:
             raise ScheduleError(f"table field {field!r} has shape {getattr(table, field).shape}, expected {shape}")
     bufs = {name: [dict() for _ in range(P)] for name in ("in", "res", "cot")}
+    split = table.splits_backward
     done: dict[tuple[str, int, int], int] = {}
 
     def where(t: int, d: int, mb: int | None = None) -> str:
@@ -63,14 +64,14 @@ def validate(table: Table) -> Table:
             if kind == IDLE:
                 continue
             mb, c = int(table.microbatch[t, d]), int(table.chunk[t, d])
-            if kind not in (FORWARD, BACKWARD):
+            if kind not in (FORWARD, BACKWARD, WEIGHT):
                 raise ScheduleError(f"{where(t, d)}: unknown action code {kind}")
             if not 0 <= mb < M:
                 raise ScheduleError(f"{where(t, d, mb)}: micro-batch outside 0..{M - 1}")
             if not 0 <= c < V:
                 raise ScheduleError(f"{where(t, d, mb)}: chunk {c} outside 0..{V - 1}")
             k = c * P + d
-            label = ("F" if kind == FORWARD else "B") + f"{mb} of stage {k}"
+            label = KIND_NAMES[kind] + f"{mb} of stage {k}"
             if (kind, mb, k) in done:
                 raise ScheduleError(f"{where(t, d, mb)}: {label} runs a second time (first at tick {done[(kind, mb, k)]})")
             if kind == FORWARD:
@@ -89,14 +90,17 @@ def validate(table: Table) -> Table:
             else:
                 if (FORWARD, mb, k) not in done:
                     raise ScheduleError(f"{where(t, d, mb)}: {label} runs before its forward")
+                if kind == WEIGHT and (BACKWARD, mb, k) not in done:
+                    raise ScheduleError(f"{where(t, d, mb)}: {label} runs before its B")
                 if k > 0:
                     read("in", t, d, int(table.in_slot[t, d]), (mb, k), label)
                 read("res", t, d, int(table.res_slot[t, d]), (mb, k), label)
                 read("cot", t, d, int(table.cot_slot[t, d]), (mb, k), label)
-                for buf, slot in (("in", table.in_slot[t, d]), ("res", table.res_slot[t, d]),
-                                  ("cot", table.cot_slot[t, d])):
-                    bufs[buf][d].pop(int(slot), None)
-                if k > 0:
+                if kind == (WEIGHT if split else BACKWARD):  # the last reader frees the slots
+                    for buf, slot in (("in", table.in_slot[t, d]), ("res", table.res_slot[t, d]),
+                                      ("cot", table.cot_slot[t, d])):
+                        bufs[buf][d].pop(int(slot), None)
+                if kind == BACKWARD and k > 0:
                     sends_cot[(d - 1) % P] = (mb, k - 1)
             done[(kind, mb, k)] = t
         for buf, field, sends in (("in", table.recv_in_slot, sends_in), ("cot", table.recv_cot_slot, sends_cot)):
@@ -113,7 +117,7 @@ def validate(table: Table) -> Table:
                     raise ScheduleError(f"{where(t, d)}: recv_{buf}_slot {slot} is set but nothing arrives")
     for mb in range(M):
         for k in range(S):
-            for kind, name in ((FORWARD, "F"), (BACKWARD, "B")):
+            for kind, name in ((FORWARD, "F"), (BACKWARD, "B"), (WEIGHT, "W"))[: 3 if split else 2]:
                 if (kind, mb, k) not in done:
                     raise ScheduleError(
                         f"{name} of micro-batch {mb} on stage {k} (device {k % P}) never runs")
