@@ -8,6 +8,7 @@
 
 from jpipe.schedules._generators import (
     SCHEDULES,
+    advance_forward,
     early_backward,
     get_schedule,
     gpipe,
@@ -31,6 +32,6 @@ from jpipe.schedules._validate import validate
 
 __all__ = [
     "BACKWARD", "FIELDS", "FORWARD", "IDLE", "WEIGHT", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError",
-    "Table", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
+    "Table", "advance_forward", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
     "one_f_one_b_policy_b", "table_from_orders", "validate",
 ]

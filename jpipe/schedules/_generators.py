@@ -6,7 +6,7 @@ orders and calls :func:`table_from_orders`; nothing else has to change.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jpipe.schedules._table import Action, Table, table_from_orders
 
@@ -61,10 +61,47 @@ def one_f_one_b_policy_b(num_devices: int, num_microbatches: int) -> Table:
     return early_backward(num_devices, num_microbatches, lambda s: 2 * (num_devices - s) - 1, "1f1b-b")
 
 
+def advance_forward(
+    num_devices: int, num_microbatches: int, advance: int | Sequence[int] | None = None
+) -> Table:
+    """AvgPipe's advance forward propagation: warm-up ``min(S - s + a_s, M)`` on stage ``s``.
+
+    Stage ``s`` runs ``a_s`` forwards *in advance* of 1F1B (DAPPLE policy A,
+    warm-up ``S - s``) before it starts alternating. ``advance`` is ``None``
+    (default: ``a_s = S - s - 1``, which equals DAPPLE's policy B, the count in
+    AvgPipe's figures), one int for every stage, or one int per stage. Zero
+    advance is 1F1B; an advance of ``M`` or more on every stage is GPipe's
+    all-forward-all-backward. Stage ``s`` holds ``min(S - s + a_s, M)``
+    micro-batches: a little more memory than 1F1B for fewer, shorter bubbles
+    when communication is not free.
+
+    >>> advance_forward(4, 8).held_microbatches().tolist()
+    [7, 5, 3, 1]
+    >>> advance_forward(4, 8, advance=0).held_microbatches().tolist()  # 1F1B
+    [4, 3, 2, 1]
+    >>> advance_forward(4, 8, advance=[2, 1, 0, 0]).held_microbatches().tolist()
+    [6, 4, 2, 1]
+    """
+    if advance is None:
+        per_stage = [num_devices - s - 1 for s in range(num_devices)]
+    elif isinstance(advance, int) and not isinstance(advance, bool):
+        per_stage = [advance] * num_devices
+    else:
+        per_stage = list(advance)
+        if len(per_stage) != num_devices:
+            raise ValueError(f"advance has {len(per_stage)} entries but there are {num_devices} stages; "
+                             "give one int for every stage, or one int for all")
+    if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in per_stage):
+        raise ValueError(f"advance must be non-negative ints, got {advance!r}")
+    return early_backward(num_devices, num_microbatches, lambda s: num_devices - s + per_stage[s],
+                          "advance-forward")
+
+
 SCHEDULES: dict[str, Callable[[int, int], Table]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "1f1b-b": one_f_one_b_policy_b,
+    "advance-forward": advance_forward,
 }
 
 
