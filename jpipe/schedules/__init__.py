@@ -16,6 +16,7 @@ from jpipe.schedules._generators import (
     one_f_one_b_policy_b,
 )
 from jpipe.schedules._render import ascii_gantt
+from jpipe.schedules._simulate import Costs, SimResult, simulate
 from jpipe.schedules._table import (
     BACKWARD,
     FIELDS,
@@ -31,7 +32,7 @@ from jpipe.schedules._table import (
 from jpipe.schedules._validate import validate
 
 __all__ = [
-    "BACKWARD", "FIELDS", "FORWARD", "IDLE", "WEIGHT", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError",
+    "BACKWARD", "Costs", "FIELDS", "FORWARD", "IDLE", "WEIGHT", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError", "SimResult",
     "Table", "advance_forward", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
-    "one_f_one_b_policy_b", "table_from_orders", "validate",
+    "one_f_one_b_policy_b", "simulate", "table_from_orders", "validate",
 ]

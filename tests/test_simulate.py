@@ -1,0 +1,203 @@
+"""Tests for ``jpipe.schedules.simulate``: lock-step and asynchronous timing, bubbles, memory.
+
+Expectations are closed forms (bubble identities, GPipe's makespan with communication)
+or independent re-derivations from the table arrays (tick durations, per-device busy
+time, liveness), never the simulator's own intermediate values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from jpipe.schedules import (
+    SCHEDULES,
+    Action,
+    Costs,
+    SimResult,
+    Table,
+    gpipe,
+    one_f_one_b,
+    one_f_one_b_policy_b,
+    simulate,
+    table_from_orders,
+)
+
+SIZES = [(1, 1), (1, 4), (2, 1), (2, 3), (3, 7), (4, 2), (4, 4), (4, 8), (4, 16), (5, 12), (8, 16)]
+UNIFORM = Costs(forward=1.0, backward=1.0)
+
+
+def exact(x: float, y: float) -> bool:
+    return math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def kind_name(table: Table, t: int, d: int) -> str | None:
+    a = table.action(t, d)
+    return None if a is None else a.kind
+
+
+# ---------------------------------------------------------------------------------------------
+# Bubble identities
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b], ids=["gpipe", "1f1b"])
+@pytest.mark.parametrize("P,M", SIZES)
+@pytest.mark.parametrize("mode", ["lockstep", "async"])
+def test_uniform_bubble_is_exact(make, P: int, M: int, mode: str) -> None:
+    """F = B, W = 0, no communication: bubble (P-1)/(M+P-1), makespan 2(M+P-1) F's."""
+    r = simulate(make(P, M), UNIFORM, mode=mode)
+    assert exact(r.makespan, 2 * (M + P - 1))
+    assert exact(r.bubble_fraction, (P - 1) / (M + P - 1))
+    np.testing.assert_allclose(r.busy, 2.0 * M)
+    np.testing.assert_allclose(r.idle, 2.0 * (P - 1))
+
+
+@pytest.mark.parametrize("P,M", [(2, 3), (4, 8), (5, 12)])
+def test_async_one_f_one_b_with_heavier_backward(P: int, M: int) -> None:
+    """Asynchronously 1F1B keeps its bubble (P-1)/(M+P-1) for any F and B: makespan (M+P-1)(F+B)."""
+    r = simulate(one_f_one_b(P, M), Costs(forward=1.0, backward=2.0), mode="async")
+    assert exact(r.makespan, 3 * (M + P - 1))
+    assert exact(r.bubble_fraction, (P - 1) / (M + P - 1))
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b, one_f_one_b_policy_b], ids=["gpipe", "1f1b", "1f1b-b"])
+@pytest.mark.parametrize("P,M", [(2, 3), (4, 8), (3, 7)])
+def test_lockstep_tick_lasts_its_slowest_action_plus_comm(make, P: int, M: int) -> None:
+    """Per-stage costs with B = 2F: every tick lasts max over devices of its action, plus comm."""
+    table = make(P, M)
+    fwd = np.array([1.0, 1.5, 0.5, 2.0, 1.0][:P] + [1.0] * max(0, P - 5))
+    comm = 0.25
+    r = simulate(table, Costs(forward=fwd, backward=2 * fwd, comm=comm))
+    cost = {"F": fwd, "B": 2 * fwd}
+    expected, now = 0.0, 0.0
+    for t in range(table.num_ticks):
+        durations = [cost[k][d] for d in range(P) if (k := kind_name(table, t, d)) is not None]
+        for d in range(P):
+            a = table.action(t, d)
+            if a is not None:
+                assert exact(r.start[a], now) and exact(r.end[a], now + cost[a.kind][d])
+        now += max(durations) + comm
+    expected = now
+    assert exact(r.makespan, expected)
+    np.testing.assert_allclose(r.busy, 3 * M * fwd)
+    assert exact(r.bubble_fraction, 1 - 3 * M * fwd.sum() / (P * expected))
+    assert r.mode == "lockstep"
+
+
+@pytest.mark.parametrize("P,M", [(2, 3), (4, 8)])
+def test_lockstep_is_never_faster_than_async(P: int, M: int) -> None:
+    for name in ("gpipe", "1f1b", "1f1b-b"):
+        table = SCHEDULES[name](P, M)
+        costs = Costs(forward=1.0, backward=2.0, comm=0.1)
+        lock, asy = simulate(table, costs), simulate(table, costs, mode="async")
+        assert asy.makespan <= lock.makespan + 1e-12
+        np.testing.assert_allclose(asy.busy, lock.busy)
+
+
+@pytest.mark.parametrize("P,M", [(2, 1), (3, 5), (4, 8)])
+def test_async_gpipe_with_communication(P: int, M: int) -> None:
+    """GPipe, F = B = 1, comm c per hop: 2M + 2(P-1)(1+c) (the fill and the drain each pay P-1 hops)."""
+    c = 0.3
+    r = simulate(gpipe(P, M), Costs(1.0, 1.0, comm=c), mode="async")
+    assert exact(r.makespan, 2 * M + 2 * (P - 1) * (1 + c))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b-b"])
+def test_async_starts_are_tight(name: str) -> None:
+    """Each action starts at the later of its device being free and its inputs arriving, no later."""
+    P, M, comm = 4, 6, 0.2
+    table = SCHEDULES[name](P, M)
+    fwd = np.array([1.0, 0.7, 1.3, 0.9])
+    r = simulate(table, Costs(fwd, 2 * fwd, comm=comm), mode="async")
+    for d, order in enumerate(table.orders()):
+        prev_end = 0.0
+        for a in order:
+            deps = []
+            if a.kind == "F" and a.stage > 0:
+                deps.append(Action("F", a.microbatch, a.stage - 1))
+            if a.kind == "B":
+                deps.append(Action("F", a.microbatch, a.stage))
+                if a.stage < P - 1:
+                    deps.append(Action("B", a.microbatch, a.stage + 1))
+            arrivals = [r.end[x] + (comm if x.stage != a.stage else 0.0) for x in deps]
+            assert exact(r.start[a], max([prev_end] + arrivals)), a
+            assert exact(r.end[a] - r.start[a], (fwd if a.kind == "F" else 2 * fwd)[d])
+            prev_end = r.end[a]
+    assert exact(r.makespan, max(r.end.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_peak_held(P: int, M: int) -> None:
+    """GPipe holds M on every device, 1F1B min(S - s, M) on stage s; both modes agree with the table."""
+    for mode in ("lockstep", "async"):
+        g = simulate(gpipe(P, M), UNIFORM, mode=mode)
+        assert g.peak_held.tolist() == [M] * P
+        o = simulate(one_f_one_b(P, M), UNIFORM, mode=mode)
+        assert o.peak_held.tolist() == [min(P - s, M) for s in range(P)]
+        assert o.peak_held.tolist() == one_f_one_b(P, M).held_microbatches().tolist()
+
+
+def test_peak_bytes_weighs_held_stages() -> None:
+    P, M = 4, 8
+    act = np.array([10.0, 20.0, 30.0, 40.0])
+    r = simulate(one_f_one_b(P, M), Costs(1.0, 1.0, activation_bytes=act))
+    np.testing.assert_allclose(r.peak_bytes, act * np.array([4, 3, 2, 1]))
+    assert simulate(one_f_one_b(P, M), UNIFORM).peak_bytes is None
+    r = simulate(gpipe(P, M), Costs(1.0, 1.0, activation_bytes=1024))
+    np.testing.assert_allclose(r.peak_bytes, 1024.0 * M)
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs and errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_weight_is_charged_to_unsplit_backward() -> None:
+    """Without W actions, B computes both gradients: it costs backward + weight."""
+    a = simulate(one_f_one_b(4, 8), Costs(1.0, 1.0, weight=1.0), mode="async")
+    b = simulate(one_f_one_b(4, 8), Costs(1.0, 2.0), mode="async")
+    assert exact(a.makespan, b.makespan)
+    np.testing.assert_allclose(a.busy, 24.0)
+
+
+def test_single_device_has_no_comm_and_no_bubble() -> None:
+    r = simulate(one_f_one_b(1, 5), Costs(1.0, 2.0, comm=7.0))
+    assert exact(r.makespan, 15.0) and exact(r.bubble_fraction, 0.0)
+
+
+def test_result_is_a_named_tuple() -> None:
+    r = simulate(gpipe(2, 2), UNIFORM)
+    assert isinstance(r, SimResult) and isinstance(r, tuple)
+    assert set(r.start) == set(r.end) == {a for order in gpipe(2, 2).orders() for a in order}
+    assert all(r.end[a] >= r.start[a] for a in r.start)
+
+
+def test_cost_errors() -> None:
+    t = one_f_one_b(4, 8)
+    with pytest.raises(ValueError, match=r"Costs.forward has 3 values but the table has 4 virtual stages"):
+        simulate(t, Costs([1.0, 1.0, 1.0], 1.0))
+    with pytest.raises(ValueError, match=r"Costs.backward must be finite and non-negative"):
+        simulate(t, Costs(1.0, -1.0))
+    with pytest.raises(ValueError, match=r"Costs.comm must be finite and non-negative"):
+        simulate(t, Costs(1.0, 1.0, comm=float("nan")))
+    with pytest.raises(ValueError, match=r"unknown simulation mode 'mpmd'; choose 'lockstep' or 'async'"):
+        simulate(t, UNIFORM, mode="mpmd")
+    with pytest.raises(TypeError, match=r"costs must be a jpipe.schedules.Costs"):
+        simulate(t, (1.0, 1.0))  # type: ignore[arg-type]
+
+
+def test_custom_orders_simulate() -> None:
+    """A hand-written table: device 1 runs F0 B0 F1 B1, device 0 both forwards first."""
+    orders = [[Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)],
+              [Action("F", 0, 1), Action("B", 0, 1), Action("F", 1, 1), Action("B", 1, 1)]]
+    r = simulate(table_from_orders(orders, 2), Costs(1.0, 2.0), mode="async")
+    # d1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]; d0: F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]
+    assert r.end[Action("B", 1, 0)] == 9.0 and r.start[Action("B", 0, 0)] == 4.0
