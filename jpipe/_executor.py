@@ -24,6 +24,7 @@ swaps the stashed residuals in, so the weights are never copied per slot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._mesh import DATA, PIPE
 from jpipe._model import Params, PyTree, Staged
-from jpipe.schedules import BACKWARD, FIELDS, FORWARD, IDLE, Table
+from jpipe.schedules import BACKWARD, FIELDS, FORWARD, WEIGHT, Table
 
 _COL = {name: i for i, name in enumerate(FIELDS)}
 
@@ -230,7 +231,12 @@ class Executor:
                     return nothing._replace(send_act=y, residuals=residuals, loss_grad=dy, loss=loss,
                                             grad_post=g_post)
 
-                def backward() -> _TickOut:
+                def backward(grads_for_weights: bool, grads_for_input: bool) -> _TickOut:
+                    """The backward of one micro-batch; split schedules ask for one half at a time.
+
+                    Whatever is not asked for is dead code that XLA removes.
+                    """
+
                     def chunk_vjp(x: jax.Array):
                         _, vjp = jax.vjp(f, chunk_p, x)
                         if not remat:  # the re-traced forward is dead code once residuals are swapped
@@ -239,19 +245,28 @@ class Executor:
                         return vjp(carry.cotangents[cot_i])
 
                     def first_stage():
+                        # pre's weight gradient needs dx: on the first stage all of it is weight work
+                        if not grads_for_weights:
+                            return nothing.grad_chunk, zeros_h, nothing.grad_pre
                         x, pre_vjp = jax.vjp(lambda p: model.embed(p, data).astype(hidden.dtype), pre_p)
                         g_chunk, dx = chunk_vjp(x)
-                        return g_chunk, dx, pre_vjp(dx)[0]
+                        return g_chunk, zeros_h, pre_vjp(dx.astype(hidden.dtype))[0]
 
                     def later_stage():
                         g_chunk, dx = chunk_vjp(carry.inputs[in_i])
-                        return g_chunk, dx, nothing.grad_pre
+                        return g_chunk, dx.astype(hidden.dtype), nothing.grad_pre
 
                     g_chunk, dx, g_pre = lax.cond(first, first_stage, later_stage)
-                    return nothing._replace(send_cot=dx.astype(hidden.dtype), grad_chunk=g_chunk, grad_pre=g_pre)
+                    return nothing._replace(
+                        send_cot=dx if grads_for_input else zeros_h,
+                        grad_chunk=g_chunk if grads_for_weights else nothing.grad_chunk,
+                        grad_pre=g_pre if grads_for_weights else nothing.grad_pre)
 
-                branches = [idle, idle, idle]
-                branches[FORWARD], branches[BACKWARD] = forward, backward
+                split = table.splits_backward
+                branches = [idle] * 4
+                branches[FORWARD] = forward
+                branches[BACKWARD] = functools.partial(backward, grads_for_weights=not split, grads_for_input=True)
+                branches[WEIGHT] = functools.partial(backward, grads_for_weights=True, grads_for_input=False)
                 out = lax.switch(row[_COL["kind"]], branches)
                 if fwd_perm:  # every device takes part in both collectives on every tick
                     recv_act = lax.ppermute(out.send_act, PIPE, fwd_perm)

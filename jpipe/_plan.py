@@ -14,10 +14,13 @@ ScheduleSpec = str | Callable[[int, int], Table]
 class Plan:
     """How to pipeline a model: ``pipe`` stages x ``data`` replicas, ``microbatches`` per step.
 
-    ``schedule`` is a name (``"gpipe"``, ``"1f1b"``, ``"1f1b-b"``) or a function
-    ``(num_devices, num_microbatches) -> Table``. ``partition`` gives the layers
-    of each stage (uneven allowed, default an even split); ``remat`` recomputes
-    each stage's forward inside its backward so that only stage inputs are held.
+    ``schedule`` is a name (see ``jpipe.schedules.SCHEDULES``) or a function
+    ``(num_devices, num_microbatches) -> Table``. ``virtual_stages`` is the number
+    of chunks per device for interleaved schedules (virtual stage ``c * pipe + s``
+    lives on device ``s``; the generator is called with ``num_chunks=``).
+    ``partition`` gives the layers of each (virtual) stage, uneven allowed,
+    default an even split; ``remat`` recomputes each stage's forward inside its
+    backward so that only stage inputs are held.
 
     >>> plan = Plan(pipe=4, data=2, microbatches=8, partition=(5, 7, 7, 5))
     >>> plan.stage_partition(24)
@@ -32,9 +35,10 @@ class Plan:
     schedule: ScheduleSpec = "1f1b"
     partition: tuple[int, ...] | None = None
     remat: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pipe", "data", "microbatches"):
+        for name in ("pipe", "data", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be an int >= 1, got {value!r}")
@@ -51,13 +55,18 @@ class Plan:
     def num_devices(self) -> int:
         return self.pipe * self.data
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages, counting each device's chunks: ``pipe * virtual_stages``."""
+        return self.pipe * self.virtual_stages
+
     def stage_partition(self, num_layers: int) -> tuple[int, ...]:
         """Layers per stage; checks an explicit partition against ``num_layers``."""
-        stages = self.pipe
+        stages = self.num_stages
         if stages > num_layers:
             raise ValueError(
                 f"{stages} pipeline stages but the model has only {num_layers} layers; "
-                f"use pipe <= {num_layers} and put the other devices on the data axis")
+                f"use pipe x virtual_stages <= {num_layers} and put the other devices on the data axis")
         if self.partition is None:
             base, extra = divmod(num_layers, stages)
             return tuple(base + (s < extra) for s in range(stages))
@@ -76,10 +85,22 @@ class Plan:
     def table(self) -> Table:
         """The validated schedule table for this plan's devices and micro-batches."""
         make = get_schedule(self.schedule) if isinstance(self.schedule, str) else self.schedule
-        table = make(self.pipe, self.microbatches)
-        if table.num_devices != self.pipe or table.num_microbatches != self.microbatches:
+        if self.virtual_stages == 1:
+            table = make(self.pipe, self.microbatches)
+        else:
+            try:
+                table = make(self.pipe, self.microbatches, num_chunks=self.virtual_stages)
+            except TypeError as e:
+                if "num_chunks" not in str(e):
+                    raise
+                raise ValueError(
+                    f"schedule {self.schedule!r} has no virtual stages (it takes no num_chunks); use an "
+                    f"interleaved schedule or virtual_stages=1") from None
+        got = (table.num_devices, table.num_microbatches, table.num_chunks)
+        want = (self.pipe, self.microbatches, self.virtual_stages)
+        if got != want:
             raise ValueError(
-                f"schedule returned a table for {table.num_devices} devices and "
-                f"{table.num_microbatches} micro-batches; the plan has pipe={self.pipe}, "
-                f"microbatches={self.microbatches}")
+                f"schedule returned a table for {got[0]} devices, {got[1]} micro-batches and {got[2]} "
+                f"chunks per device; the plan has pipe={want[0]}, microbatches={want[1]}, "
+                f"virtual_stages={want[2]}")
         return validate(table)

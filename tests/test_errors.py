@@ -103,6 +103,6 @@ def test_nnx_module_instance_instead_of_constructor():
 
 def test_schedule_function_for_wrong_sizes(model):
     plan = jpipe.Plan(4, 2, 4, schedule=lambda devices, m: jpipe.schedules.one_f_one_b(devices, m + 1))
-    with pytest.raises(ValueError, match=r"table for 4 devices and 5 micro-batches; the plan has pipe=4, "
-                                         r"microbatches=4"):
+    with pytest.raises(ValueError, match=r"table for 4 devices, 5 micro-batches and 1 chunks per device; "
+                                         r"the plan has pipe=4, microbatches=4"):
         jpipe.init(model, plan, optax.sgd(0.1), make_batch(16), rng=jax.random.key(0))

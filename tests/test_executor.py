@@ -144,3 +144,66 @@ def test_train_step_donates_and_can_be_lowered():
     old = state.params["pre"]["linear"]["kernel"]
     state, _ = jpipe.train_step(state, batch)
     assert old.is_deleted()
+
+
+def _takes_chunks(generator) -> bool:
+    import inspect
+
+    return "num_chunks" in inspect.signature(generator).parameters
+
+
+def _every_schedule_case():
+    for name, generator in sorted(jpipe.schedules.SCHEDULES.items()):
+        for pipe in (2, 4):
+            for microbatches in (pipe, 2 * pipe + 1):
+                for chunks in (1, 2) if _takes_chunks(generator) else (1,):
+                    yield pytest.param(name, pipe, microbatches, chunks, id=f"{name}-P{pipe}-M{microbatches}-v{chunks}")
+
+
+@pytest.mark.parametrize("name,pipe,microbatches,chunks", list(_every_schedule_case()))
+def test_every_registered_schedule_is_exact(name, pipe, microbatches, chunks):
+    """Every generator in jpipe.schedules.SCHEDULES runs with exact gradients."""
+    plan = jpipe.Plan(pipe, 8 // pipe, microbatches, schedule=name, virtual_stages=chunks)
+    assert_step_matches_sequential(make_model("nnx"), plan, make_batch(2 * (8 // pipe) * microbatches))
+
+
+def split_backward(table: jpipe.schedules.Table, defer: bool) -> jpipe.schedules.Table:
+    """The same order with each backward split into B then W (right after it, or all at the end)."""
+    S = jpipe.schedules
+    orders = []
+    for order in table.orders():
+        out, deferred = [], []
+        for a in order:
+            out.append(a)
+            if a.kind == "B":
+                (deferred if defer else out).append(S.Action("W", a.microbatch, a.stage))
+        orders.append(out + deferred)
+    return S.table_from_orders(orders, table.num_microbatches, name="split")
+
+
+def breadth_first(num_devices: int, num_microbatches: int, num_chunks: int = 2) -> jpipe.schedules.Table:
+    """All forwards of every virtual stage in order, then all backwards: chunk traffic wraps the ring."""
+    S = jpipe.schedules
+    orders = [[] for _ in range(num_devices)]
+    stages = num_devices * num_chunks
+    for k in range(stages):
+        orders[k % num_devices] += [S.Action("F", mb, k) for mb in range(num_microbatches)]
+    for k in reversed(range(stages)):
+        orders[k % num_devices] += [S.Action("B", mb, k) for mb in range(num_microbatches)]
+    return S.table_from_orders(orders, num_microbatches, num_chunks=num_chunks, name="breadth-first")
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["stash", "remat"])
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+@pytest.mark.parametrize("defer", [False, True], ids=["w-now", "w-deferred"])
+def test_split_backward_is_exact(defer, framework, remat):
+    plan = jpipe.Plan(4, 2, 5, remat=remat,
+                      schedule=lambda p, m: split_backward(jpipe.schedules.one_f_one_b(p, m), defer))
+    assert_step_matches_sequential(make_model(framework), plan, make_batch(20))
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["stash", "remat"])
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_virtual_stages_are_exact(framework, remat):
+    plan = jpipe.Plan(4, 2, 3, schedule=breadth_first, virtual_stages=2, remat=remat, partition=(1, 1, 1, 2, 1, 1, 1, 1))
+    assert_step_matches_sequential(make_model(framework, num_layers=9), plan, make_batch(12))
