@@ -71,7 +71,7 @@ def test_more_stages_than_layers():
 
 
 def test_unknown_schedule():
-    with pytest.raises(ValueError, match=r"unknown schedule 'zb-h9'; choose one of \['1f1b', '1f1b-b', 'gpipe'\]"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb-h9'; choose one of \[.*'1f1b-b'.*'gpipe'.*\]"):
         jpipe.Plan(4, 2, 4, schedule="zb-h9")
 
 
