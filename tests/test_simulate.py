@@ -201,3 +201,54 @@ def test_custom_orders_simulate() -> None:
     r = simulate(table_from_orders(orders, 2), Costs(1.0, 2.0), mode="async")
     # d1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]; d0: F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]
     assert r.end[Action("B", 1, 0)] == 9.0 and r.start[Action("B", 0, 0)] == 4.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Interleaved and split-backward tables
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P,M,v", [(2, 2, 2), (2, 5, 2), (4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 6, 3),
+                                   (4, 8, 4), (8, 16, 2), (3, 7, 3)])
+def test_interleaved_uniform_bubble_is_exact(P: int, M: int, v: int) -> None:
+    """Per-chunk costs F / v (a device's v chunks together cost what its stage did): (P-1)/(vM+P-1)."""
+    from jpipe.schedules import interleaved_1f1b
+    r = simulate(interleaved_1f1b(P, M, num_chunks=v), Costs(forward=1.0 / v, backward=1.0 / v))
+    assert exact(r.bubble_fraction, (P - 1) / (v * M + P - 1))
+    assert exact(r.makespan, 2 * (v * M + P - 1) / v)
+    np.testing.assert_allclose(r.busy, 2.0 * M)
+
+
+def test_split_backward_charges_b_and_w_separately() -> None:
+    from jpipe.schedules import zb_h1
+    t = zb_h1(4, 8)
+    r = simulate(t, Costs(forward=1.0, backward=2.0, weight=0.5), mode="async")
+    np.testing.assert_allclose(r.busy, 8 * (1.0 + 2.0 + 0.5))
+    for a in r.start:
+        assert exact(r.end[a] - r.start[a], {"F": 1.0, "B": 2.0, "W": 0.5}[a.kind])
+        if a.kind == "W":  # W waits for its own B, on the same device
+            assert r.start[a] >= r.end[Action("B", a.microbatch, a.stage)]
+    # weight=None: W is free and B carries all the backward time.
+    r0 = simulate(t, Costs(forward=1.0, backward=2.0))
+    assert all(r0.end[a] == r0.start[a] for a in r0.start if a.kind == "W")
+
+
+@pytest.mark.parametrize("P,M", [(2, 3), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_peak_held(P: int, M: int) -> None:
+    """A micro-batch is held until its W: ZB-H1 <= P, ZB-H2 <= 2P - 1; both modes agree with the table."""
+    from jpipe.schedules import zb_h1, zb_h2
+    for make, bound in ((zb_h1, P), (zb_h2, 2 * P - 1)):
+        t = make(P, M)
+        for mode in ("lockstep", "async"):
+            r = simulate(t, Costs(1.0, 1.0, 1.0), mode=mode)
+            assert r.peak_held.tolist() == t.held_microbatches().tolist()
+            assert r.peak_held.max() <= min(bound, M)
+
+
+def test_zb_h1_acceptance_bubble() -> None:
+    """F = B = W, P = 4, M = 8: ZB-H1's lock-step bubble is <= 0.4 x 1F1B's (1F1B's B costs B + W)."""
+    from jpipe.schedules import zb_h1
+    costs = Costs(1.0, 1.0, 1.0)
+    zb, f1b = simulate(zb_h1(4, 8), costs), simulate(one_f_one_b(4, 8), costs)
+    assert zb.bubble_fraction <= 0.4 * f1b.bubble_fraction
+    assert exact(zb.bubble_fraction, 3 / 27)

@@ -12,8 +12,12 @@ from jpipe.schedules._generators import (
     early_backward,
     get_schedule,
     gpipe,
+    interleaved_1f1b,
     one_f_one_b,
     one_f_one_b_policy_b,
+    zb_h1,
+    zb_h2,
+    zero_bubble,
 )
 from jpipe.schedules._render import ascii_gantt
 from jpipe.schedules._simulate import Costs, SimResult, simulate
@@ -35,4 +39,5 @@ __all__ = [
     "BACKWARD", "Costs", "FIELDS", "FORWARD", "IDLE", "WEIGHT", "NO_SLOT", "SCHEDULES", "Action", "ScheduleError", "SimResult",
     "Table", "advance_forward", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
     "one_f_one_b_policy_b", "simulate", "table_from_orders", "validate",
+    "interleaved_1f1b", "zb_h1", "zb_h2", "zero_bubble",
 ]

@@ -1,0 +1,181 @@
+"""Tests for the interleaved and zero-bubble generators (plain numpy, no JAX).
+
+Properties are checked against the table arrays and closed forms: every table
+validates, per-device orders follow the definitions, tick counts reach the
+lower bounds, and held micro-batches stay within each schedule's memory bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jpipe.schedules import (
+    SCHEDULES,
+    Action,
+    Costs,
+    ScheduleError,
+    get_schedule,
+    interleaved_1f1b,
+    one_f_one_b,
+    simulate,
+    validate,
+    zb_h1,
+    zb_h2,
+    zero_bubble,
+)
+
+SIZES = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 3), (3, 2), (3, 7), (4, 2), (4, 4), (4, 6), (4, 8),
+         (4, 9), (5, 3), (5, 12), (8, 16)]
+
+
+def strs(order: list[Action]) -> list[str]:
+    return [str(a) for a in order]
+
+
+# ---------------------------------------------------------------------------------------------
+# Interleaved 1F1B
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("megatron", [False, True])
+def test_interleaved_validates(P: int, M: int, v: int, megatron: bool) -> None:
+    t = validate(interleaved_1f1b(P, M, num_chunks=v, megatron_warmup=megatron))
+    assert (t.num_devices, t.num_chunks, t.num_microbatches, t.name) == (P, v, M, "interleaved-1f1b")
+    for d, order in enumerate(t.orders()):
+        assert all(a.stage % P == d for a in order)
+        assert len(order) == 2 * v * M
+        # A device runs its chunks' backwards in the reverse order of their forwards.
+        fwd = [(a.microbatch, a.stage) for a in order if a.kind == "F"]
+        bwd = [(a.microbatch, a.stage) for a in order if a.kind == "B"]
+        assert bwd == [(mb, (v - 1 - k // P) * P + d) for mb, k in fwd]
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_interleaved_one_chunk_is_one_f_one_b(P: int, M: int) -> None:
+    assert [strs(o) for o in interleaved_1f1b(P, M, num_chunks=1).orders()] == \
+        [strs(o) for o in one_f_one_b(P, M).orders()]
+
+
+@pytest.mark.parametrize("P,M,v", [(2, 2, 2), (2, 3, 2), (4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 6, 2),
+                                   (4, 9, 2), (3, 7, 3), (4, 8, 4), (8, 16, 2), (5, 12, 2)])
+def test_interleaved_reaches_the_lockstep_bound(P: int, M: int, v: int) -> None:
+    """With M >= P: 2(vM + P - 1) ticks, the fewest possible (the last device waits P - 1 chunk-ticks)."""
+    t = interleaved_1f1b(P, M, num_chunks=v)
+    assert t.num_ticks == 2 * (v * M + P - 1)
+
+
+def test_interleaved_order_by_hand() -> None:
+    """P = 2, M = 4, v = 2: rounds of two micro-batches, chunk 0 then chunk 1, device 0 warms up 4."""
+    t = interleaved_1f1b(2, 4, num_chunks=2)
+    cells = [[f"{a}/{a.stage // 2}" for a in o] for o in t.orders()]
+    assert cells[0] == ["F0/0", "F1/0", "F0/1", "F1/1", "B0/1", "F2/0", "B1/1", "F3/0", "B0/0", "F2/1",
+                        "B1/0", "F3/1", "B2/1", "B3/1", "B2/0", "B3/0"]
+    assert cells[1][:5] == ["F0/0", "F1/0", "F0/1", "B0/1", "F1/1"]
+
+
+@pytest.mark.parametrize("P,M,v", [(4, 8, 2), (4, 16, 2), (4, 8, 3), (2, 5, 2)])
+def test_interleaved_memory(P: int, M: int, v: int) -> None:
+    """Device d holds at most (v - 1) g + P - d chunk-micro-batches (g = first round's size, >= P);
+    Megatron's warm-up holds up to P - 1 - d more."""
+    g = M // max(1, M // P) + (1 if M % max(1, M // P) else 0)
+    lock = interleaved_1f1b(P, M, num_chunks=v).held_microbatches()
+    mega = interleaved_1f1b(P, M, num_chunks=v, megatron_warmup=True).held_microbatches()
+    assert lock.tolist() == [min((v - 1) * g + P - d, v * M) for d in range(P)]
+    assert mega.tolist() == [min((v - 1) * g + 2 * (P - 1 - d) + 1, v * M) for d in range(P)]
+
+
+def test_megatron_warmup_hides_communication_when_asynchronous() -> None:
+    """Same lock-step length; asynchronously, with comm and B = 2F, the deeper warm-up stalls less."""
+    P, M, v = 4, 8, 2
+    lock, mega = interleaved_1f1b(P, M, v), interleaved_1f1b(P, M, v, megatron_warmup=True)
+    assert lock.num_ticks == mega.num_ticks
+    costs = Costs(forward=0.5, backward=1.0, comm=0.05)
+    assert simulate(mega, costs, mode="async").makespan < simulate(lock, costs, mode="async").makespan
+
+
+def test_interleaved_errors() -> None:
+    with pytest.raises(ValueError, match=r"num_chunks must be a positive int, got 0"):
+        interleaved_1f1b(4, 8, num_chunks=0)
+    with pytest.raises(ValueError, match=r"interleaved_1f1b needs at least one device and one micro-batch"):
+        interleaved_1f1b(4, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero bubble
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make,bound", [(zb_h1, lambda P: P), (zb_h2, lambda P: 2 * P - 1)],
+                         ids=["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("P,M", SIZES)
+def test_zero_bubble_validates_and_bounds_memory(make, bound, P: int, M: int) -> None:
+    t = validate(make(P, M))
+    assert t.splits_backward
+    held = t.held_microbatches()
+    assert held.max() <= min(bound(P), M)
+    for d, order in enumerate(t.orders()):
+        s = strs(order)
+        assert len(s) == 3 * M
+        for mb in range(M):
+            assert s.index(f"F{mb}") < s.index(f"B{mb}") < s.index(f"W{mb}")
+        # Forwards, backwards and weight gradients each run in micro-batch order.
+        for kind in "FBW":
+            assert [a.microbatch for a in order if a.kind == kind] == list(range(M))
+    if M >= P:  # with F = B = W every device idles only P - 1 ticks: 3M + P - 1 in all
+        assert t.num_ticks == 3 * M + P - 1
+
+
+def test_zb_h1_order_by_hand() -> None:
+    """P = 4, M = 8: the first device does B W F cycles; the last defers W until it holds P."""
+    orders = [" ".join(strs(o)) for o in zb_h1(4, 8).orders()]
+    assert orders[0] == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert orders[3] == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
+
+
+def test_zb_h1_bubble_against_1f1b() -> None:
+    """F = B = W at P = 4, M = 8. Lock-step: 1F1B's unsplit backward (cost 2) stretches every tick
+    it shares with a forward, so ZB-H1's bubble is under 0.4 of 1F1B's (it is 0.278). Asynchronously
+    ZB-H1's idle time is exactly 1/3 of 1F1B's: (P - 1)(F + B - W) against (P - 1)(F + B + W)."""
+    P, M = 4, 8
+    costs = Costs(forward=1.0, backward=1.0, weight=1.0)
+    zb_lock, f1b_lock = simulate(zb_h1(P, M), costs), simulate(one_f_one_b(P, M), costs)
+    assert zb_lock.bubble_fraction <= 0.4 * f1b_lock.bubble_fraction
+    assert zb_lock.makespan == 3 * M + P - 1
+    zb_async = simulate(zb_h1(P, M), costs, mode="async")
+    f1b_async = simulate(one_f_one_b(P, M), costs, mode="async")
+    assert np.isclose(zb_async.idle.sum(), f1b_async.idle.sum() / 3)
+    # The fraction cannot reach 0.4 x 1F1B's asynchronously: the last device starts P - 1 late and
+    # has 3M of work, so any schedule's bubble is >= (P - 1) / (3M + P - 1) = 1/9 > 0.4 x 3/11.
+    assert np.isclose(zb_async.bubble_fraction, (P - 1) / (3 * M + P - 1))
+
+
+def test_zb_h2_beats_zb_h1_with_slow_backward() -> None:
+    costs = Costs(forward=1.0, backward=2.0, weight=1.0, comm=0.1)
+    for mode in ("lockstep", "async"):
+        assert simulate(zb_h2(4, 8), costs, mode=mode).makespan < simulate(zb_h1(4, 8), costs, mode=mode).makespan
+
+
+def test_zero_bubble_custom_and_errors() -> None:
+    t = validate(zero_bubble(3, 5, warmup=lambda s: 1, max_held=2, name="zb-tight"))
+    assert t.name == "zb-tight" and t.held_microbatches().max() <= 2
+    with pytest.raises(ValueError, match=r"max_held must be at least 1, got 0"):
+        zero_bubble(2, 2, warmup=lambda s: 1, max_held=0, name="x")
+
+
+def test_registered() -> None:
+    for name, fn in {"interleaved-1f1b": interleaved_1f1b, "zb-h1": zb_h1, "zb-h2": zb_h2}.items():
+        assert SCHEDULES[name] is fn and get_schedule(name) is fn
+        validate(fn(4, 8))
+    assert get_schedule("interleaved-1f1b")(4, 8, num_chunks=3).num_chunks == 3
+
+
+def test_a_deadlocking_table_still_raises() -> None:
+    """Generators go through table_from_orders; a hand-broken zero-bubble order is rejected there."""
+    from jpipe.schedules import table_from_orders
+    orders = [[Action("F", 0, 0), Action("W", 0, 0), Action("B", 0, 0)],
+              [Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1)]]
+    with pytest.raises(ScheduleError, match=r"deadlocks"):
+        table_from_orders(orders, 1)
