@@ -179,3 +179,85 @@ def test_a_deadlocking_table_still_raises() -> None:
               [Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1)]]
     with pytest.raises(ScheduleError, match=r"deadlocks"):
         table_from_orders(orders, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# User tables (text / CSV), pictures, main_show
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,kw", [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}),
+                                     ("interleaved-1f1b", {"num_chunks": 2}),
+                                     ("interleaved-1f1b", {"num_chunks": 3})])
+def test_text_round_trips(name: str, kw: dict) -> None:
+    """format_orders and ascii_gantt both load back into the same orders (and name)."""
+    from jpipe.schedules import ascii_gantt, format_orders, load_table
+    t = get_schedule(name)(4, 6, **kw)
+    for text in (format_orders(t), ascii_gantt(t)):
+        back = load_table(text)
+        assert back.orders() == t.orders() and back.name == t.name
+        assert (back.num_chunks, back.num_microbatches) == (t.num_chunks, t.num_microbatches)
+        np.testing.assert_array_equal(back.as_array(), t.as_array())
+
+
+def test_load_table_from_files(tmp_path) -> None:
+    from jpipe.schedules import load_table
+    txt = tmp_path / "mine.txt"
+    txt.write_text("# two devices\n\nd0: F0 F1 B0 B1   # all forwards first\nd1: F0 B0 F1 B1\n")
+    t = validate(load_table(txt))
+    assert t.name == "mine" and t.orders()[0] == [Action("F", 0, 0), Action("F", 1, 0),
+                                                  Action("B", 0, 0), Action("B", 1, 0)]
+    assert validate(load_table(str(txt), name="other")).name == "other"
+    csv = tmp_path / "split.csv"
+    csv.write_text("device, kind, microbatch, chunk\n"
+                   + "".join(f"0,{k},0,{c}\n" for k, c in [("F", 0), ("F", 1), ("B", 1), ("W", 1),
+                                                            ("B", 0), ("W", 0)]))
+    t = validate(load_table(csv))
+    assert (t.num_devices, t.num_chunks, t.splits_backward) == (1, 2, True)
+
+
+def test_load_table_errors() -> None:
+    from jpipe.schedules import load_table
+    with pytest.raises(ScheduleError, match=r"line 2: cannot read 'X0'; write an action as F, B or W"):
+        load_table("d0: F0 B0\nd1: F0 X0")
+    with pytest.raises(ScheduleError, match=r"line 1: device label 1 out of order"):
+        load_table("d1: F0 B0\nd0: F0 B0")
+    with pytest.raises(ScheduleError, match=r"lists no actions"):
+        load_table("# nothing\n")
+    with pytest.raises(ScheduleError, match=r"deadlocks"):
+        load_table("d0: B0 F0\nd1: F0 B0")
+    with pytest.raises(ScheduleError, match=r"1 actions are missing, e\.g\. B of micro-batch 1 on stage 0"):
+        load_table("d0: F0 F1 B0\nd1: F0 B0 F1 B1")
+    with pytest.raises(ScheduleError, match=r"CSV row 3: kind must be F, B or W, got 'Q'"):
+        load_table("device,kind,microbatch\n0,F,0\n0,Q,0")
+    with pytest.raises(ScheduleError, match=r"CSV lists no actions for device 0"):
+        load_table("device,kind,microbatch\n1,F,0\n1,B,0")
+
+
+def test_gantt_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from jpipe.schedules import gantt_png
+    for table, costs in ((zb_h1(4, 8), None), (interleaved_1f1b(4, 8, 2), Costs(0.5, 1.0, comm=0.1))):
+        out = gantt_png(table, tmp_path / f"{table.name}.png", costs)
+        data = open(out, "rb").read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_main_show(tmp_path) -> None:
+    from jpipe.schedules import format_orders, main_show
+    text = main_show("zb-h1", 4, 8)
+    assert text.splitlines()[0] == "zb-h1: 4 devices, 8 micro-batches, 27 ticks"
+    assert "bubble: lock-step 11.1%, async 11.1%" in text
+    assert "peak held micro-batches per device: [4, 4, 4, 4]" in text
+    assert "interleaved-1f1b: 4 devices, 8 micro-batches, 38 ticks" in main_show("interleaved-1f1b", 4, 8,
+                                                                                  num_chunks=2)
+    f = tmp_path / "t.txt"
+    f.write_text(format_orders(one_f_one_b(2, 3)))
+    assert main_show(str(f), 0, 0).splitlines()[0] == "1f1b: 2 devices, 3 micro-batches, 8 ticks"
+    with pytest.raises(ValueError, match=r"is a schedule for pipe=2, but pipe=4 was asked for"):
+        main_show(str(f), 4, 3)
+    with pytest.raises(ValueError, match=r"unknown schedule 'nope'"):
+        main_show("nope", 4, 8)
+    if __import__("importlib").util.find_spec("matplotlib"):
+        png = tmp_path / "g.png"
+        assert main_show("gpipe", 2, 2, png=png).endswith(f"wrote {png}") and png.exists()

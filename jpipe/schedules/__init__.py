@@ -19,6 +19,8 @@ from jpipe.schedules._generators import (
     zb_h2,
     zero_bubble,
 )
+from jpipe.schedules._csv import format_orders, load_table, read_orders
+from jpipe.schedules._plot import gantt_png, main_show
 from jpipe.schedules._render import ascii_gantt
 from jpipe.schedules._simulate import Costs, SimResult, simulate
 from jpipe.schedules._table import (
@@ -40,4 +42,5 @@ __all__ = [
     "Table", "advance_forward", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
     "one_f_one_b_policy_b", "simulate", "table_from_orders", "validate",
     "interleaved_1f1b", "zb_h1", "zb_h2", "zero_bubble",
+    "format_orders", "gantt_png", "load_table", "main_show", "read_orders",
 ]
