@@ -7,6 +7,8 @@ lower bounds, and held micro-batches stay within each schedule's memory bound.
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -239,7 +241,7 @@ def test_gantt_png(tmp_path) -> None:
     from jpipe.schedules import gantt_png
     for table, costs in ((zb_h1(4, 8), None), (interleaved_1f1b(4, 8, 2), Costs(0.5, 1.0, comm=0.1))):
         out = gantt_png(table, tmp_path / f"{table.name}.png", costs)
-        data = open(out, "rb").read()
+        data = pathlib.Path(out).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 

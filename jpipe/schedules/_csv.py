@@ -168,8 +168,9 @@ def format_orders(table: Table) -> str:
     d1: F0 B0 F1 B1
     """
     P, v = table.num_devices, table.num_chunks
-    lines = [f"{table.name}: {P} devices, {table.num_microbatches} micro-batches, "
-             f"{v} chunk{'s' if v > 1 else ''} per device"]
+    head = (f"{table.name}: {P} devices, {table.num_microbatches} micro-batches, "
+            f"{v} chunk{'s' if v > 1 else ''} per device")
+    lines = [head]
     for d, order in enumerate(table.orders()):
         cells = [str(a) + (f"/{a.stage // P}" if v > 1 else "") for a in order]
         lines.append(f"d{d}: " + " ".join(cells))

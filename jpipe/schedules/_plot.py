@@ -177,8 +177,8 @@ def main_show(
 
     lines = [
         ascii_gantt(table),
-        f"costs: F={fmt(costs.forward)} B={fmt(costs.backward)} W={fmt(costs.weight or 0.0)} "
-        f"(an unsplit B costs B+W), comm={fmt(costs.comm)}",
+        (f"costs: F={fmt(costs.forward)} B={fmt(costs.backward)} W={fmt(costs.weight or 0.0)} "
+         f"(an unsplit B costs B+W), comm={fmt(costs.comm)}"),
         f"bubble: lock-step {lock.bubble_fraction:.1%}, async {asy.bubble_fraction:.1%}",
         f"peak held micro-batches per device: {lock.peak_held.tolist()}",
     ]
