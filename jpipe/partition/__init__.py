@@ -1,0 +1,45 @@
+"""Planning: profile a model, model its cost, search partitions, replication and mesh shapes.
+
+- :func:`profile` measures a :class:`jpipe.Staged` model on the current backend;
+  :func:`read_graph_profile` reads DAPPLE's published PipeDream graph profiles.
+- :func:`dapple_latency` and :func:`dapple_plan` are DAPPLE's latency model and
+  planner for a general :class:`Cluster`.
+- :func:`plan` (also ``jpipe.plan``) picks jpipe's mesh shape, partition,
+  micro-batches and schedule from profiled costs.
+
+>>> from jpipe import partition
+>>> partition.Cluster.preset("dapple-B").num_devices
+16
+"""
+
+from jpipe.partition._cluster import Cluster
+from jpipe.partition._cost import Latency, dapple_latency
+from jpipe.partition._dapple import DapplePlan, Stage, dapple_plan
+from jpipe.partition._profile import (
+    CommCost,
+    GraphNode,
+    LayerCost,
+    Profile,
+    load,
+    measure_comm,
+    profile,
+    read_graph,
+    read_graph_profile,
+)
+from jpipe.partition._search import (
+    Candidate,
+    PlanChoice,
+    balanced_partition,
+    evaluate,
+    format_candidates,
+    plan,
+    search,
+    stage_costs,
+)
+
+__all__ = [
+    "Candidate", "Cluster", "CommCost", "DapplePlan", "GraphNode", "LayerCost", "Latency", "PlanChoice",
+    "Profile", "Stage", "balanced_partition", "dapple_latency", "dapple_plan", "evaluate",
+    "format_candidates", "load", "measure_comm", "plan", "profile", "read_graph", "read_graph_profile",
+    "search", "stage_costs",
+]

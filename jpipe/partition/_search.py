@@ -1,0 +1,281 @@
+"""jpipe's mesh planner: mesh shape x uneven partition x micro-batches x schedule, from profiled costs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jpipe._plan import Plan
+from jpipe.schedules import Costs, simulate
+from jpipe.partition._profile import CommCost, Profile
+
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "1f1b-b")
+
+
+class Candidate(NamedTuple):
+    """One plan with its predicted step time (s), bubble fraction and peak bytes per device."""
+
+    plan: Plan
+    step_time: float
+    bubble: float
+    memory: float
+    fits: bool
+
+
+class PlanChoice(NamedTuple):
+    """What :func:`plan` returns: the chosen plan and every candidate, fastest fitting first."""
+
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+
+    def table(self, top: int | None = 20) -> str:
+        """The ranked candidates as text (what ``jpipe plan`` prints)."""
+        return format_candidates(self.candidates[:top] if top else self.candidates)
+
+
+def format_candidates(candidates: Sequence[Candidate]) -> str:
+    """A text table: rank, pipe x data, micro-batches, schedule, partition, time, bubble, memory."""
+    head = f"{'#':>3} {'pipe':>4} {'data':>4} {'M':>4} {'schedule':<8} {'partition':<22} " \
+           f"{'step ms':>9} {'bubble':>7} {'MiB/dev':>9} fits"
+    rows = [head]
+    for i, c in enumerate(candidates, 1):
+        p = c.plan
+        part = ",".join(map(str, p.partition)) if p.partition else "-"
+        if len(part) > 22:
+            part = part[:19] + "..."
+        rows.append(f"{i:>3} {p.pipe:>4} {p.data:>4} {p.microbatches:>4} {str(p.schedule):<8} {part:<22} "
+                    f"{c.step_time * 1e3:>9.2f} {c.bubble:>7.1%} {c.memory / 2**20:>9.1f} "
+                    f"{'yes' if c.fits else 'NO'}")
+    return "\n".join(rows)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def balanced_partition(profile: Profile, stages: int) -> tuple[int, ...]:
+    """Layers per stage minimising the slowest stage's forward + backward.
+
+    Dynamic programming over contiguous layer ranges; ``pre`` costs count on
+    the first stage and ``post`` costs on the last. Among partitions with the
+    same slowest stage, the one with the smallest sum of squared stage times wins.
+
+    >>> from jpipe.partition import LayerCost, Profile
+    >>> layer = LayerCost("l", 1.0, 2.0, 0, 0)
+    >>> pre = LayerCost("pre", 3.0, 3.0, 0, 0)     # 3 + 3 + 3 (its forward re-runs in the backward)
+    >>> post = LayerCost("post", 3.0, 6.0, 0, 0)   # each costs as much as 3 layers
+    >>> balanced_partition(Profile(layers=(layer,) * 12, microbatch_size=1, pre=pre, post=post), 3)
+    (3, 6, 3)
+    """
+    L = profile.num_layers
+    if not 1 <= stages <= L:
+        raise ValueError(f"cannot split {L} layers into {stages} stages; use 1 <= stages <= {L}")
+    work = np.array([l.forward + l.backward for l in profile.layers])
+    prefix = np.concatenate([[0.0], np.cumsum(work)])
+    pre = 0.0 if profile.pre is None else profile.pre.forward * 2 + profile.pre.backward
+    post = 0.0 if profile.post is None else profile.post.forward + profile.post.backward
+
+    def cost(s: int, lo: int, hi: int) -> float:
+        c = prefix[hi] - prefix[lo]
+        if s == 0:
+            c += pre
+        if s == stages - 1:
+            c += post
+        return c
+
+    # best[s][j]: (bottleneck, sum of squares, boundaries) for layers [0, j) on stages 0..s
+    INF = (math.inf, math.inf, ())
+    best = [[INF] * (L + 1) for _ in range(stages)]
+    for j in range(1, L - stages + 2):
+        c = cost(0, 0, j)
+        best[0][j] = (c, c * c, (j,))
+    for s in range(1, stages):
+        for j in range(s + 1, L + 1):
+            if s == stages - 1 and j != L:
+                continue
+            options = []
+            for i in range(s, j):
+                prev = best[s - 1][i]
+                if prev[0] == math.inf:
+                    continue
+                c = cost(s, i, j)
+                options.append((max(prev[0], c), prev[1] + c * c, prev[2] + (j,)))
+            if options:
+                best[s][j] = min(options, key=lambda o: (round(o[0], 12), o[1]))
+    bounds = (0,) + best[stages - 1][L][2]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def stage_costs(profile: Profile, partition: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Per-stage forward and backward seconds as jpipe's executor runs them.
+
+    The first stage's forward runs ``pre``; its backward re-runs ``pre``'s
+    forward and runs its backward. The last stage's forward runs ``post``, the
+    loss and their gradient (``value_and_grad``), so ``post``'s backward is in
+    the forward tick.
+    """
+    fwd, bwd, start = [], [], 0
+    n = len(partition)
+    for s, count in enumerate(partition):
+        layers = profile.layers[start:start + count]
+        start += count
+        f = sum(l.forward for l in layers)
+        b = sum(l.backward for l in layers)
+        if s == 0 and profile.pre is not None:
+            f += profile.pre.forward
+            b += profile.pre.forward + profile.pre.backward
+        if s == n - 1 and profile.post is not None:
+            f += profile.post.forward + profile.post.backward
+        fwd.append(f)
+        bwd.append(b)
+    return fwd, bwd
+
+
+def _allreduce(comm: CommCost | None, size: float, n: int) -> float:
+    return 0.0 if comm is None else comm.allreduce_time(size, n)
+
+
+def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | None = None) -> Candidate:
+    """Predicted step time, bubble and peak memory per device of ``plan`` for ``profile``.
+
+    ``profile`` is rescaled to the plan's micro-batch ``global_batch / (data x M)``;
+    the step is the schedule simulator's lock-step makespan (every tick costs the
+    slowest device's action plus the two ppermutes of one micro-batch's
+    activations) plus the gradient all-reduces (stage weights over ``data``;
+    ``pre``/``post`` over ``pipe`` and then ``data``). Memory counts weights,
+    gradients and optimizer state (stages padded to the largest, ``pre`` and
+    ``post`` on every device) and the micro-batches the schedule holds.
+    """
+    comm = profile.comm if comm is None else comm
+    b = global_batch / (plan.data * plan.microbatches)
+    prof = profile.scaled(b)
+    partition = plan.stage_partition(prof.num_layers)
+    layer = prof.layers[0]
+    hidden_bytes = layer.activation_bytes
+    table = plan.table()
+    fwd, bwd = stage_costs(prof, partition)
+    per_tick = 2 * comm.ppermute_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
+    sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick), mode="lockstep")
+    max_layers = max(partition)
+    io = [p for p in (prof.pre, prof.post) if p is not None]
+    io_params = sum(p.param_bytes for p in io)
+    io_opt = sum(p.optimizer_bytes for p in io)
+    stage_params = max_layers * layer.param_bytes
+    reduce = (_allreduce(comm, stage_params, plan.data) + _allreduce(comm, io_params, plan.pipe)
+              + _allreduce(comm, io_params, plan.data))
+    step = sim.makespan + reduce
+    held = sim.peak_held
+    worst = 0.0
+    for s, count in enumerate(partition):
+        acts = held[s] * (count * layer.residual_bytes + hidden_bytes * 2)
+        if s == 0 and prof.pre is not None:
+            acts += held[s] * prof.pre.residual_bytes
+        worst = max(worst, acts)
+    memory = 2 * (stage_params + io_params) + max_layers * layer.optimizer_bytes + io_opt + worst
+    bubble = float(sim.bubble_fraction)
+    return Candidate(plan, float(step), bubble, float(memory), True)
+
+
+def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limit: float | None = None,
+           schedules: Sequence[str] = DEFAULT_SCHEDULES, max_microbatches: int = 64) -> PlanChoice:
+    """Ranks every (pipe x data, partition, micro-batches, schedule) for a profiled model.
+
+    ``pipe`` runs over the divisors of ``num_devices`` up to the number of
+    layers, ``data`` is the rest, the micro-batch count over the divisors of
+    the per-replica batch (at most ``max_microbatches``), the partition is the
+    :func:`balanced_partition` for ``pipe`` stages.
+
+    >>> from jpipe.partition import LayerCost, Profile
+    >>> layer = LayerCost("l", 1e-3, 2e-3, activation_bytes=1e3, param_bytes=1e6, optimizer_bytes=2e6)
+    >>> choice = search(Profile(layers=(layer,) * 8, microbatch_size=4), num_devices=4, global_batch=16)
+    >>> choice.plan.pipe * choice.plan.data
+    4
+    """
+    L = profile.num_layers
+    out: list[Candidate] = []
+    for pipe in _divisors(num_devices):
+        if pipe > L:
+            continue
+        data = num_devices // pipe
+        if global_batch % data:
+            continue
+        scaled = profile.scaled(global_batch / data)  # partition on this replica's work
+        partition = balanced_partition(scaled, pipe)
+        for m in _divisors(global_batch // data):
+            if m > max_microbatches or (pipe == 1 and m > 1):
+                continue
+            for schedule in (schedules if pipe > 1 else ("1f1b",)):
+                if schedule == "1f1b-b" and m <= pipe:
+                    continue  # identical to 1f1b when every stage warms up with all M
+                plan = Plan(pipe=pipe, data=data, microbatches=m, schedule=schedule,
+                            partition=partition)
+                cand = evaluate(profile, plan, global_batch)
+                fits = memory_limit is None or cand.memory <= memory_limit
+                out.append(cand._replace(fits=fits))
+    if not out:
+        raise ValueError(f"no plan for {num_devices} devices and a batch of {global_batch}: the batch must "
+                         f"be divisible by the data-parallel size; use a batch that is a multiple of "
+                         f"{num_devices}")
+    out.sort(key=lambda c: (not c.fits, c.step_time))
+    if not out[0].fits:
+        raise ValueError(
+            f"no plan fits in {memory_limit / 2**20:.1f} MiB per device (the smallest needs "
+            f"{min(c.memory for c in out) / 2**20:.1f} MiB); raise memory_limit, use more devices or "
+            f"a smaller model")
+    return PlanChoice(out[0].plan, tuple(out))
+
+
+def _batch_size(batch: Any) -> int:
+    import jax
+
+    sizes = {np.shape(a)[0] for a in jax.tree.leaves(batch) if np.ndim(a)}
+    if len(sizes) != 1:
+        raise ValueError(f"example_batch needs one leading (batch) size on every leaf, got {sorted(sizes)}")
+    return int(sizes.pop())
+
+
+def _device_memory(devices: Sequence[Any]) -> float | None:
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
+         memory_limit: float | None = None, *, profile: Profile | None = None,
+         schedules: Sequence[str] = DEFAULT_SCHEDULES, optimizer: Any = None,
+         max_microbatches: int = 64) -> PlanChoice:
+    """Profiles ``model`` and returns the fastest predicted :class:`jpipe.Plan` that fits, with a ranked table.
+
+    Searches mesh shapes (``pipe x data = len(devices)``), uneven partitions
+    (:func:`balanced_partition`: ``pre`` on the first stage, ``post`` on the
+    last), micro-batch counts and schedules, predicting each step with
+    :func:`evaluate`. ``memory_limit`` is bytes per device (default: what the
+    device reports, else no limit). Pass a ``profile`` to skip measuring.
+
+    >>> import jax, jax.numpy as jnp, jpipe, jpipe.models
+    >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
+    >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 1))}
+    >>> choice = jpipe.plan(model, batch, devices=jax.devices()[:4])
+    >>> choice.plan.pipe * choice.plan.data, len(choice.candidates) > 5
+    (4, True)
+    """
+    import jax
+
+    from jpipe.partition._profile import profile as measure
+
+    devices = list(jax.devices() if devices is None else devices)
+    batch = _batch_size(example_batch)
+    if profile is None:
+        mb = max(1, batch // len(devices))
+        microbatch = jax.tree.map(lambda a: a[:mb], example_batch)
+        profile = measure(model, microbatch, optimizer=optimizer, devices=devices)
+    if memory_limit is None:
+        memory_limit = _device_memory(devices)
+    return search(profile, len(devices), batch, memory_limit=memory_limit, schedules=schedules,
+                  max_microbatches=max_microbatches)
+

@@ -1,0 +1,267 @@
+"""Tests for jpipe.partition: profiles, DAPPLE's latency model and planner, jpipe's mesh planner.
+
+The DAPPLE graph profiles are read from ../shared/reference/dapple-profiles/ at run time;
+tests that need them skip when that folder is absent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+
+import numpy as np
+import pytest
+
+from jpipe import Plan
+from jpipe.partition import (
+    Cluster,
+    CommCost,
+    LayerCost,
+    Profile,
+    balanced_partition,
+    dapple_latency,
+    dapple_plan,
+    evaluate,
+    load,
+    read_graph_profile,
+    search,
+    stage_costs,
+)
+from jpipe.partition._dapple import _place
+
+PROFILES = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
+                                         "dapple-profiles"))
+needs_profiles = pytest.mark.skipif(not os.path.isdir(PROFILES), reason="DAPPLE profiles not present")
+
+
+# -- cluster -------------------------------------------------------------------------------------
+
+def test_cluster_presets_and_allreduce_formula():
+    a, b, c = (Cluster.preset(n) for n in ("dapple-A", "dapple-B", "dapple-C"))
+    assert (a.servers, a.devices_per_server, b.servers, b.devices_per_server) == (2, 8, 16, 1)
+    assert c.inter_server_bandwidth == pytest.approx(b.inter_server_bandwidth * 10 / 25)
+    size = 1e9
+    assert a.allreduce_time(size, [1, 0]) == 0.0
+    assert a.allreduce_time(size, [8, 0]) == pytest.approx(2 * size * 7 / 8 / 25e9 / 4)
+    assert b.allreduce_time(size, [1] * 16) == pytest.approx(2 * size * 15 / 16 / 3e9)
+    with pytest.raises(ValueError, match="dapple-A"):
+        Cluster.preset("nope")
+
+
+def test_placement_policies():
+    assert _place((0, 0), 4, "fresh", 8) == (4, 0)
+    assert _place((4, 0), 4, "fresh", 8) == (0, 4)       # an unused server first
+    assert _place((4, 0), 2, "append", 8) == (2, 0)      # a server in use first
+    assert _place((0, 0, 0, 0), 6, "scatter", 8) == (2, 2, 1, 1)
+    assert _place((8, 8), 1, "fresh", 8) is None
+
+
+# -- latency model -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("S,M", [(1, 1), (2, 4), (4, 8), (5, 3)])
+def test_latency_balanced_pipeline_is_gpipe_formula(S, M):
+    lat = dapple_latency([1.0] * S, [2.0] * S, [0.0] * S, microbatches=M)
+    assert lat.total == pytest.approx((M + S - 1) * 3.0)
+    assert lat.pivot == S - 1
+
+
+def test_latency_pivot_moves_to_slow_stage_and_allreduce_extends_the_end():
+    lat = dapple_latency([1.0, 3.0, 1.0], [1.0, 3.0, 1.0], [0.0, 0.0, 0.0], microbatches=10)
+    assert lat.pivot == 1
+    assert lat.steady == pytest.approx(9 * 6.0)
+    assert lat.warmup == pytest.approx(4.0)
+    slow_ar = dapple_latency([1.0, 3.0, 1.0], [1.0, 3.0, 1.0], [0.0, 0.0, 100.0], microbatches=10)
+    assert slow_ar.total > lat.total + 90   # the last stage's all-reduce dominates the end phase
+
+
+def test_latency_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="one entry per stage"):
+        dapple_latency([1.0, 1.0], [1.0], [0.0, 0.0], microbatches=2)
+
+
+# -- profiles ------------------------------------------------------------------------------------
+
+GRAPH = """node1 -- Input0 -- forward_compute_time=5.0, backward_compute_time=0.000, activation_size=0.0, parameter_size=0.000
+node2 -- Embedding -- forward_compute_time=0.1, backward_compute_time=0.2, activation_size=100.0, parameter_size=1000.0
+node3 -- layer_0 -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=[100.0; 20.0], parameter_size=50.0
+node4 -- Dropout -- forward_compute_time=0.5, backward_compute_time=0.5, activation_size=100.0, parameter_size=0.0
+node5 -- layer_1 -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=100.0, parameter_size=50.0
+node6 -- classifier -- forward_compute_time=3.0, backward_compute_time=1.0, activation_size=7.0, parameter_size=500.0
+  node1 -- node2
+  node2 -- node3
+  node3 -- node4
+  node4 -- node5
+  node5 -- node6
+"""
+
+
+def test_read_graph_profile_groups_nodes_into_layers(tmp_path):
+    path = tmp_path / "toy-2-pbs-4.txt"
+    path.write_text(GRAPH)
+    p = read_graph_profile(path)
+    assert p.microbatch_size == 4 and p.num_layers == 2
+    assert p.pre.param_bytes == 1000.0 and p.pre.forward == pytest.approx(0.1e-3)  # input time dropped
+    assert p.layers[0].forward == pytest.approx(1.5e-3)    # the dropout joined layer 0
+    assert p.layers[0].residual_bytes == pytest.approx(220.0)
+    assert p.post.param_bytes == 500.0
+    assert p.cut_bytes == (100.0,)
+    (tmp_path / "bad.txt").write_text("hello\n")
+    with pytest.raises(ValueError, match="bad.txt:1"):
+        read_graph_profile(tmp_path / "bad.txt", 1)
+
+
+@needs_profiles
+@pytest.mark.parametrize("file,layers,pbs", [("bert-48-pbs-2.txt", 48, 2), ("gnmt-16-pbs-64.txt", 16, 64),
+                                             ("xlnet-36-pbs-1.txt", 36, 1), ("bert-24-pbs-6.txt", 24, 6)])
+def test_reads_the_published_profiles(file, layers, pbs):
+    p = read_graph_profile(os.path.join(PROFILES, file))
+    assert (p.num_layers, p.microbatch_size) == (layers, pbs)
+    assert all(l.forward > 0 and l.param_bytes > 0 for l in p.layers)
+
+
+def test_profile_json_round_trip_and_scaling(tmp_path):
+    layer = LayerCost("l", 2e-3, 4e-3, 1e3, 1e4, 2e4, 5e3, forward_overhead=1e-3)
+    p = Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer, comm=CommCost(1e-5, 1e-9, 2e-5, 2e-9))
+    p.save(tmp_path / "p.json")
+    assert load(tmp_path / "p.json") == p
+    half = p.scaled(2)
+    assert half.layers[0].forward == pytest.approx(1.5e-3)       # overhead stays, the rest halves
+    assert half.layers[0].activation_bytes == pytest.approx(500)
+    with pytest.raises(ValueError, match="cut_bytes"):
+        Profile(layers=(layer,) * 3, microbatch_size=1, cut_bytes=(1.0,))
+
+
+# -- DAPPLE planner ------------------------------------------------------------------------------
+
+def _check_plan_shape(plan, num_layers, cluster):
+    starts = [s.layers for s in plan.stages]
+    assert starts[0][0] == 0 and starts[-1][1] == num_layers
+    assert all(a[1] == b[0] for a, b in zip(starts, starts[1:]))
+    devices = [d for s in plan.stages for d in s.devices]
+    assert sorted(devices) == list(range(cluster.num_devices))
+    assert all(len(s.devices) == s.replicas for s in plan.stages)
+
+
+def test_dapple_plan_data_parallel_when_weights_are_tiny():
+    layer = LayerCost("l", 0.01, 0.02, activation_bytes=1e7, param_bytes=1e3)
+    cluster = Cluster.preset("dapple-B")
+    plan = dapple_plan(Profile(layers=(layer,) * 16, microbatch_size=1), 256, cluster)
+    assert plan.pattern == "DP"
+    _check_plan_shape(plan, 16, cluster)
+
+
+def test_dapple_plan_non_uniform_replication_for_a_weight_heavy_layer():
+    """A cheap layer with huge weights is kept on one device; the rest is replicated 15 ways."""
+    heavy = LayerCost("l", 0.02, 0.04, 1e5, 1e6)
+    head = LayerCost("head", 0.001, 0.002, 1e5, 2e9)
+    slow_net = Cluster(16, 1, 25e9, 1e8, 64e9)
+    plan = dapple_plan(Profile(layers=(heavy,) * 15 + (head,), microbatch_size=1), 1024, slow_net)
+    _check_plan_shape(plan, 16, slow_net)
+    assert plan.stages[-1].replicas == 1 and plan.stages[-1].layers[0] >= 14
+    assert plan.pattern.endswith(":1") and max(s.replicas for s in plan.stages) >= 8
+
+
+def test_dapple_plan_two_by_eight_keeps_stages_inside_servers():
+    layer = LayerCost("l", 2.69e-3, 4.47e-3, 4.3e6, 5e7)
+    cluster = Cluster.preset("dapple-A")
+    plan = dapple_plan(Profile(layers=(layer,) * 24, microbatch_size=2), 64, cluster)
+    _check_plan_shape(plan, 24, cluster)
+    assert plan.pattern == "8:8"
+    for s in plan.stages:
+        assert len({d // 8 for d in s.devices}) == 1
+    assert plan.speedup_over_dp > 1.5
+
+
+@needs_profiles
+def test_table4_bert48_config_a_and_b():
+    bert = read_graph_profile(os.path.join(PROFILES, "bert-48-pbs-2.txt"))
+    a = dapple_plan(bert, 64, Cluster.preset("dapple-A"))
+    assert a.pattern == "8:8" and abs(a.stages[0].num_layers - 23) <= 2
+    assert dapple_plan(bert, 64, Cluster.preset("dapple-B")).pattern == "straight"
+
+
+# -- jpipe's planner -----------------------------------------------------------------------------
+
+def _brute_partition(work, pre, post, stages):
+    best = None
+    L = len(work)
+    for cuts in itertools.combinations(range(1, L), stages - 1):
+        bounds = (0, *cuts, L)
+        times = [sum(work[a:b]) for a, b in zip(bounds, bounds[1:])]
+        times[0] += pre
+        times[-1] += post
+        if best is None or max(times) < best - 1e-12:
+            best = max(times)
+    return best
+
+
+def test_balanced_partition_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(20):
+        L, S = rng.randint(3, 9), rng.randint(1, 3)
+        layers = tuple(LayerCost("l", rng.uniform(0.5, 2), rng.uniform(0.5, 3), 0, 0) for _ in range(L))
+        pre, post = LayerCost("pre", rng.uniform(0, 3), rng.uniform(0, 3), 0, 0), \
+            LayerCost("post", rng.uniform(0, 3), rng.uniform(0, 3), 0, 0)
+        prof = Profile(layers=layers, microbatch_size=1, pre=pre, post=post)
+        part = balanced_partition(prof, S)
+        assert sum(part) == L and min(part) >= 1
+        work = [l.forward + l.backward for l in layers]
+        f, b = stage_costs(prof, part)
+        assert max(x + y for x, y in zip(f, b)) == pytest.approx(
+            _brute_partition(work, 2 * pre.forward + pre.backward, post.forward + post.backward, S))
+
+
+def _toy_profile(num_layers=8, post_factor=1.0):
+    layer = LayerCost("l", 1e-3, 2e-3, activation_bytes=4e4, param_bytes=1e6, optimizer_bytes=2e6,
+                      residual_bytes=1e5)
+    post = LayerCost("post", 1e-3 * post_factor, 2e-3 * post_factor, 4, 1e6, 2e6, 1e5)
+    return Profile(layers=(layer,) * num_layers, microbatch_size=4, post=post,
+                   comm=CommCost(1e-5, 1e-10, 1e-5, 1e-10))
+
+
+def test_search_ranks_candidates_and_respects_memory():
+    prof = _toy_profile()
+    choice = search(prof, num_devices=8, global_batch=32)
+    times = [c.step_time for c in choice.candidates]
+    assert choice.plan == choice.candidates[0].plan and times == sorted(times)
+    shapes = {(c.plan.pipe, c.plan.data) for c in choice.candidates}
+    assert shapes == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    assert "step ms" in choice.table()
+    # a limit that only pipelined plans meet (stage weights are split across devices)
+    dp_memory = next(c.memory for c in choice.candidates if c.plan.pipe == 1)
+    limited = search(prof, num_devices=8, global_batch=32, memory_limit=dp_memory * 0.7)
+    assert limited.plan.pipe > 1 and limited.candidates[0].memory <= dp_memory * 0.7
+    with pytest.raises(ValueError, match="raise memory_limit"):
+        search(prof, num_devices=8, global_batch=32, memory_limit=1.0)
+
+
+def test_gpipe_holds_more_than_1f1b_in_predicted_memory():
+    prof = _toy_profile()
+    mem = {s: evaluate(prof, Plan(4, 2, 8, schedule=s), 32).memory for s in ("gpipe", "1f1b")}
+    assert mem["gpipe"] > mem["1f1b"]
+
+
+def test_gpt_with_heavy_head_gets_an_uneven_partition():
+    """Acceptance: a GPT-like model whose head costs much more than a layer, profiled on 8 CPU devices."""
+    import jax
+    import jax.numpy as jnp
+
+    import jpipe.models
+    from jpipe.partition import profile
+
+    model = jpipe.models.gpt(vocab_size=2048, seq_len=16, d_model=32, num_heads=2, num_layers=8)
+    batch = {"tokens": jnp.zeros((32, 16), jnp.int32), "targets": jnp.zeros((32, 16), jnp.int32)}
+    prof = profile(model, jax.tree.map(lambda a: a[:8], batch), repeats=3, warmup=1, comm=True)
+    head = prof.post.forward + prof.post.backward
+    layer = prof.layers[0].forward + prof.layers[0].backward
+    assert head > 2 * layer, (head, layer)
+    choice = search(prof, num_devices=8, global_batch=32)
+    for pipe in (2, 4):
+        cand = next(c for c in choice.candidates if c.plan.pipe == pipe)
+        part = cand.plan.partition
+        assert part[-1] < max(part), part           # the head's stage holds fewer layers
+        f, b = stage_costs(prof, part)
+        even = Plan(pipe, 8 // pipe, 1).stage_partition(8)
+        fe, be = stage_costs(prof, even)
+        assert max(np.add(f, b)) < max(np.add(fe, be))   # and the stages are better balanced
