@@ -114,7 +114,26 @@ def main() -> int:
           f"{splits_ok} / {matches}")
     for line in explain:
         print("  - " + line)
+    planning_times()
     return 0
+
+
+def planning_times() -> None:
+    """Planning-time bounds of issue 5: <= 1 s (48 layers, 16 devices), <= 10 s (100 layers, 16 x 64)."""
+    from jpipe.partition import LayerCost, Profile, search
+
+    layer = LayerCost("l", 0.01, 0.02, 1e6, 5e7, 1e8, 4e6)
+    print("\nplanning time (bound):")
+    for layers, servers, per_server, bound in ((48, 2, 8, 1.0), (100, 16, 64, 10.0)):
+        cluster = Cluster(servers, per_server, 25e9, 1e9, 80e9)
+        start = time.perf_counter()
+        dapple_plan(Profile(layers=(layer,) * layers, microbatch_size=1), 1024, cluster)
+        took = time.perf_counter() - start
+        print(f"  dapple_plan, {layers} layers on {servers}x{per_server}: {took:.2f} s ({bound:.0f} s)")
+    start = time.perf_counter()
+    search(Profile(layers=(layer,) * 48, microbatch_size=1), 16, 256)
+    print(f"  jpipe search (mesh x partition x M x schedule), 48 layers on 16 devices: "
+          f"{time.perf_counter() - start:.2f} s (1 s)")
 
 
 if __name__ == "__main__":

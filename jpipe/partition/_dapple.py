@@ -159,38 +159,31 @@ class _Evaluator:
             return np.full(width, np.inf), np.zeros(width, int), 0, 0
         b = self.microbatch(max(reps))
         M = self.G // b
-        F, B, AR = [], [], []
-        feasible = np.ones(width, bool)
         K = len(stages)
+        F = np.empty((2 * K - 1, width))
+        B = np.empty((2 * K - 1, width))
+        AR = np.zeros((2 * K - 1, width))
+        feasible = np.ones(width, bool)
         for s, (lo, hi, alloc) in enumerate(stages):
             r = reps[s]
-            fs = (c.f[hi] - c.f[lo]) * b / r
-            bs = (c.b[hi] - c.b[lo]) * b / r
+            F[2 * s] = (c.f[hi] - c.f[lo]) * (b / r)
+            B[2 * s] = (c.b[hi] - c.b[lo]) * (b / r)
             w = c.w[hi] - c.w[lo]
-            F.append(np.broadcast_to(fs, (width,)))
-            B.append(np.broadcast_to(bs, (width,)))
-            AR.append(np.broadcast_to(_vec_allreduce(cl, w, alloc), (width,)))
+            AR[2 * s] = cl.allreduce_time(1.0, alloc) * w
             opt = (c.o[hi] - c.o[lo]) if self.optimizer_factor is None else self.optimizer_factor * w
             held = min(K - s, M)
-            mem = 2 * w + opt + held * (c.a[hi] - c.a[lo]) * b / r
-            feasible &= np.broadcast_to(mem <= cl.device_memory, (width,))
+            mem = 2 * w + opt + held * (c.a[hi] - c.a[lo]) * (b / r)
+            feasible &= mem <= cl.device_memory
             if s < K - 1:
-                nxt = stages[s + 1][2]
-                t = cl.transfer_time(1.0, alloc, nxt) * c.cut[np.asarray(hi) - 1] * b
-                t = np.broadcast_to(t, (width,))
-                F.append(t)
-                B.append(t)
-                AR.append(np.zeros(width))
-        total, _, _, _, pivot = latency_arrays(np.stack(F), np.stack(B), np.stack(AR), M)
+                t = cl.transfer_time(1.0, alloc, stages[s + 1][2]) * b * c.cut[np.asarray(hi) - 1]
+                F[2 * s + 1] = t
+                B[2 * s + 1] = t
+        total, _, _, _, pivot = latency_arrays(F, B, AR, M)
         return np.where(feasible, total, np.inf), pivot, M, b
 
 
-def _vec_allreduce(cluster: Cluster, size: np.ndarray | float, alloc: tuple[int, ...]) -> np.ndarray | float:
-    return cluster.allreduce_time(1.0, alloc) * np.asarray(size)
-
-
 def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, min_samples_per_replica: int = 1,
-                optimizer_factor: float | None = None, beam: int = 2) -> DapplePlan:
+                optimizer_factor: float | None = None, beam: int = 1) -> DapplePlan:
     """DAPPLE's planner: the fastest stages, replica counts and device placement for ``cluster``.
 
     Dynamic programming over "the first ``j`` layers are planned on ``m``

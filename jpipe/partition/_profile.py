@@ -417,6 +417,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     comm: bool = True,
+    affine: bool = True,
     seed: int = 0,
 ) -> Profile:
     """Measures a :class:`jpipe.Staged` model on the current backend at one micro-batch size.
@@ -425,15 +426,16 @@ def profile(
     ``post`` with the loss): forward and backward seconds (median of
     ``repeats`` after ``warmup`` runs, each synchronised with
     ``block_until_ready``), output activation, residual, parameter and
-    optimizer-state bytes (``optimizer`` default ``optax.adam``). The compute is
-    timed at the example micro-batch and at half of it, so that times scale
-    affinely (a fixed per-call overhead plus a per-sample part). With ``comm``,
+    optimizer-state bytes (``optimizer`` default ``optax.adam``). With ``affine``
+    the compute is also timed at half the example micro-batch, so that times
+    scale affinely (a fixed per-call overhead plus a per-sample part); without,
+    they scale linearly. With ``comm``,
     also the mesh's ppermute and all-reduce costs over ``devices``.
 
     >>> import jax.numpy as jnp, jpipe.models
     >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=3)
     >>> mb = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
-    >>> p = profile(model, mb, repeats=3, warmup=1, comm=False)
+    >>> p = profile(model, mb, repeats=3, warmup=1, comm=False, affine=False)
     >>> p.num_layers, p.microbatch_size, p.layers[0].param_bytes
     (3, 8, 1088.0)
     """
@@ -449,7 +451,7 @@ def profile(
         raise ValueError(f"example_microbatch leaves disagree on the leading (batch) size: {sorted(sizes)}")
     (size,) = sizes
     full = _measure(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
-    if size >= 2:
+    if affine and size >= 2:
         half_mb = jax.tree.map(lambda a: a[: size // 2], example_microbatch)
         half = _measure(model, half_mb, optimizer, local[0], repeats, warmup, seed)
         ratio = (size // 2) / size
