@@ -1,0 +1,244 @@
+"""N co-located pipelines as one *ensemble* model that the unchanged executor runs.
+
+:func:`ensemble` wraps a :class:`jpipe.Staged` into one whose ``pre``,
+``layer`` and ``post`` are the original parts vmapped over a leading replica
+axis of their parameters: every parameter is ``[N, ...]``, hidden activations
+are ``[N, b, ...]``, so every tick of the schedule runs one batched kernel for
+all N pipelines (the same time slot for the same micro-batch of every
+pipeline). Its loss has the value of the replicas' mean loss and the gradient
+of their *sum*, so each replica's gradient is exactly its own pipeline's.
+
+Batches carry the replica axis second: every leaf is ``[B, N, ...]`` (row
+``i`` of pipeline ``n`` is ``leaf[i, n]``), so the executor's split of the
+leading axis over ``data`` and micro-batches gives every micro-batch one slice
+of every pipeline's batch. :func:`stack_batches` and :func:`split_batch` build
+that layout.
+
+With ``data > 1`` every data replica holds all N pipelines, and the executor's
+mean over ``data`` makes each pipeline data-parallel over the data axis
+(pipeline ``n``'s batch is split over the data devices, its gradient
+all-reduced as in DAPPLE); the replicas and the centre are the same on every
+data device, so the centre needs no all-reduce of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from jpipe._executor import param_shardings
+from jpipe._model import Component, Params, PyTree, Staged, unstack_layers
+from jpipe._plan import Plan
+from jpipe._train import TrainState, _check_batch, _microbatch, _opt_shardings
+from jpipe._train import init as _jpipe_init
+from jpipe.averaging._elastic import ElasticAveraging, ElasticState
+
+# Where the replica axis sits in the pipelined layout: pre/post are [N, ...]; stage stacks are
+# [devices, chunks, layers per chunk, N, ...].
+REPLICA_AXIS = {"pre": 0, "stages": 3, "post": 0}
+
+
+def _replicate(tree: PyTree, n: int) -> PyTree:
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
+
+
+def _slice(tree: PyTree, n: int, axis: int) -> PyTree:
+    return jax.tree.map(lambda a: jnp.take(a, n, axis=axis), tree)
+
+
+def ensemble(model: Staged, pipelines: int) -> Staged:
+    """``model`` as N pipelines batched on a leading replica axis of every parameter.
+
+    Parameters are ``[N, ...]`` (``init`` gives N equal copies, as elastic
+    averaging starts every replica at the centre); micro-batches are
+    ``[b, N, ...]``; the loss's value is the mean of the N replicas' losses and
+    its gradient that of their sum.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jpipe import models
+    >>> base = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
+    >>> ens = ensemble(base, pipelines=2)
+    >>> batch = {"x": jnp.ones((4, 2, 3)), "y": jnp.zeros((4, 2, 1))}   # [B, N, ...]
+    >>> params = ens.init_params(jax.random.key(0), batch)
+    >>> params["pre"]["linear"]["kernel"].shape
+    (2, 3, 8)
+    >>> one = jax.tree.map(lambda a: a[0], params)
+    >>> bool(jnp.allclose(ens.loss_value(params, batch), base.loss_value(one, batch_slice(batch, 0))))
+    True
+    """
+    if not isinstance(model, Staged):
+        raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
+    if not isinstance(pipelines, int) or isinstance(pipelines, bool) or pipelines < 1:
+        raise ValueError(f"pipelines must be an int >= 1, got {pipelines!r}")
+    n = pipelines
+    pre, layer, post = model._pre, model._layer, model._post  # the pure Components
+
+    def pre_init(key: jax.Array, mb: PyTree) -> Params:
+        return _replicate(pre.init(key, batch_slice(mb, 0)), n)
+
+    def pre_apply(params: Params, mb: PyTree) -> jax.Array:
+        return jax.vmap(pre.apply, in_axes=(0, 1))(params, mb)
+
+    def layer_init(key: jax.Array, h: jax.Array) -> Params:
+        return _replicate(layer.init(key, h[0]), n)
+
+    def post_init(key: jax.Array, h: jax.Array) -> Params:
+        return _replicate(post.init(key, h[0]), n)
+
+    def loss(outputs: PyTree, mb: PyTree) -> jax.Array:
+        losses = jax.vmap(model.loss, in_axes=(0, 1))(outputs, mb).astype(jnp.float32)
+        total = jnp.sum(losses)
+        # Value: the mean over replicas (the metric); gradient: that of the sum, so that each
+        # replica's parameters get exactly their own pipeline's gradient.
+        return total - jax.lax.stop_gradient(total - total / n)
+
+    return Staged(
+        pre=Component(pre_init, pre_apply),
+        layer=Component(layer_init, jax.vmap(layer.apply)),
+        post=Component(post_init, jax.vmap(post.apply)),
+        num_layers=model.num_layers,
+        loss=loss,
+    )
+
+
+# -- batches ---------------------------------------------------------------------------------
+
+
+def stack_batches(batches: Sequence[PyTree]) -> PyTree:
+    """N per-pipeline batches (same structure and shapes) -> one ensemble batch ``[B, N, ...]``.
+
+    >>> import jax.numpy as jnp
+    >>> stack_batches([{"x": jnp.zeros((4, 3))}, {"x": jnp.ones((4, 3))}])["x"].shape
+    (4, 2, 3)
+    """
+    if not batches:
+        raise ValueError("stack_batches needs at least one batch")
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *batches)
+
+
+def split_batch(batch: PyTree, pipelines: int) -> PyTree:
+    """A global batch ``[N * B, ...]`` -> ``[B, N, ...]``; pipeline ``n`` gets rows ``n*B .. (n+1)*B - 1``.
+
+    >>> import jax.numpy as jnp
+    >>> split_batch({"x": jnp.arange(6)}, pipelines=2)["x"].tolist()
+    [[0, 3], [1, 4], [2, 5]]
+    """
+    def split(a):
+        a = jnp.asarray(a)
+        if a.ndim == 0 or a.shape[0] % pipelines:
+            raise ValueError(f"a batch leaf of shape {a.shape} cannot be split into {pipelines} "
+                             f"pipelines: its leading size must be a multiple of {pipelines}")
+        return jnp.swapaxes(a.reshape(pipelines, a.shape[0] // pipelines, *a.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def batch_slice(batch: PyTree, n: int) -> PyTree:
+    """Pipeline ``n``'s batch out of an ensemble batch ``[B, N, ...]``."""
+    return jax.tree.map(lambda a: a[:, n], batch)
+
+
+def _check_ensemble_batch(batch: PyTree, pipelines: int, what: str) -> None:
+    for path, a in jax.tree_util.tree_leaves_with_path(batch):
+        if np.ndim(a) < 2 or np.shape(a)[1] != pipelines:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)}; with pipelines={pipelines} "
+                f"every leaf must be [B, {pipelines}, ...] (replica axis second): build it with "
+                f"jpipe.averaging.stack_batches(batches) or split_batch(global_batch, {pipelines})")
+
+
+# -- training state --------------------------------------------------------------------------
+
+
+def init(
+    model: Staged,
+    plan: Plan,
+    optimizer: optax.GradientTransformation,
+    example_batch: PyTree,
+    *,
+    pipelines: int,
+    averaging: ElasticAveraging | None = None,
+    rng: jax.Array | None = None,
+    params: Params | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> TrainState:
+    """A :class:`jpipe.TrainState` for N co-located pipelines coupled by elastic averaging.
+
+    Every pipeline starts from the same parameters (fresh from ``rng``, or
+    ``params`` in sequential layout), which are also the centre. ``optimizer``
+    is each pipeline's own optimizer (element-wise transforms such as SGD and
+    Adam keep per-replica state; transforms that mix elements across a tensor,
+    such as global-norm clipping, would mix the replicas). The state works with
+    :func:`jpipe.train_step` on batches laid out ``[B, N, ...]``; its
+    ``metrics["loss"]`` is the replicas' mean loss. Read the centre with
+    :func:`centre` and the replicas with :func:`replicas`.
+
+    >>> import jax, jax.numpy as jnp, optax, jpipe
+    >>> from jpipe import averaging, models
+    >>> model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
+    >>> batch = averaging.stack_batches([{"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}] * 2)
+    >>> plan = jpipe.Plan(pipe=2, data=1, microbatches=4, schedule="advance-forward")
+    >>> state = averaging.init(model, plan, optax.sgd(0.1), batch, pipelines=2,
+    ...                        rng=jax.random.key(0), devices=jax.devices()[:2])
+    >>> state, metrics = jpipe.train_step(state, batch)
+    >>> len(averaging.replicas(state)), sorted(averaging.centre(state))
+    (2, ['layers', 'post', 'pre'])
+    """
+    if not isinstance(model, Staged):
+        raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
+    averaging = ElasticAveraging() if averaging is None else averaging
+    if not isinstance(averaging, ElasticAveraging):
+        raise TypeError(f"averaging must be a jpipe.averaging.ElasticAveraging, got {type(averaging).__name__}")
+    if (rng is None) == (params is None):
+        raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
+    ens = ensemble(model, pipelines)
+    _check_ensemble_batch(example_batch, pipelines, "example_batch")
+    _check_batch(example_batch, plan, "example_batch")
+    if params is None:
+        params = model.init_params(rng, batch_slice(_microbatch(example_batch, plan), 0))
+    full = optax.chain(optimizer, averaging.transform(pipelines, replica_axis=REPLICA_AXIS))
+    state = _jpipe_init(ens, plan, full, example_batch, params=_replicate(params, pipelines), devices=devices)
+    # The centre lives where its replicas live: stage stacks over `pipe`, the rest replicated.
+    mesh = state.mesh
+    inner_sh, _ = _opt_shardings(full, state.params, mesh)
+    centre_params = state.opt_state[1].centre
+    centre_sh = param_shardings(mesh, centre_params)
+    shardings = (inner_sh, ElasticState(NamedSharding(mesh, jax.sharding.PartitionSpec()), centre_sh))
+    return state.replace(opt_state=jax.device_put(state.opt_state, shardings))
+
+
+def _elastic_state(state: TrainState) -> ElasticState:
+    found = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ElasticState))
+             if isinstance(s, ElasticState)]
+    if len(found) != 1:
+        raise ValueError("this TrainState has no elastic-averaging state; make it with jpipe.averaging.init")
+    return found[0]
+
+
+def centre(state: TrainState) -> Params:
+    """The centre (reference) model in sequential layout -- the model to evaluate and export.
+
+    Use it with the original (not the ensemble) model: ``model.loss_value(centre(state), batch)``.
+    """
+    c = _elastic_state(state).centre
+    layers = state.program.layout.from_stages(c["stages"])
+    return unstack_layers({"pre": c["pre"], "layers": layers, "post": c["post"]})
+
+
+to_sequential = centre
+
+
+def replicas(state: TrainState) -> list[Params]:
+    """Each pipeline's own parameters in sequential layout, as a list of N."""
+    p = state.params
+    layers = state.program.layout.from_stages(p["stages"])  # [L, N, ...]
+    n = jax.tree.leaves(layers)[0].shape[1]
+    return [unstack_layers({"pre": _slice(p["pre"], i, 0), "layers": _slice(layers, i, 1),
+                            "post": _slice(p["post"], i, 0)}) for i in range(n)]
