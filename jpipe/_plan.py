@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 from jpipe.schedules import Table, get_schedule, validate
@@ -85,17 +86,14 @@ class Plan:
     def table(self) -> Table:
         """The validated schedule table for this plan's devices and micro-batches."""
         make = get_schedule(self.schedule) if isinstance(self.schedule, str) else self.schedule
-        if self.virtual_stages == 1:
+        if "num_chunks" in inspect.signature(make).parameters:
+            table = make(self.pipe, self.microbatches, num_chunks=self.virtual_stages)
+        elif self.virtual_stages == 1:
             table = make(self.pipe, self.microbatches)
         else:
-            try:
-                table = make(self.pipe, self.microbatches, num_chunks=self.virtual_stages)
-            except TypeError as e:
-                if "num_chunks" not in str(e):
-                    raise
-                raise ValueError(
-                    f"schedule {self.schedule!r} has no virtual stages (it takes no num_chunks); use an "
-                    f"interleaved schedule or virtual_stages=1") from None
+            raise ValueError(
+                f"schedule {self.schedule!r} has no virtual stages (it takes no num_chunks); use an "
+                f"interleaved schedule or virtual_stages=1")
         got = (table.num_devices, table.num_microbatches, table.num_chunks)
         want = (self.pipe, self.microbatches, self.virtual_stages)
         if got != want:
