@@ -23,6 +23,7 @@ data device, so the centre needs no all-reduce of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -161,7 +162,7 @@ def init(
     optimizer: optax.GradientTransformation,
     example_batch: PyTree,
     *,
-    pipelines: int,
+    pipelines: int | None = None,
     averaging: ElasticAveraging | None = None,
     rng: jax.Array | None = None,
     params: Params | None = None,
@@ -170,7 +171,9 @@ def init(
     """A :class:`jpipe.TrainState` for N co-located pipelines coupled by elastic averaging.
 
     Every pipeline starts from the same parameters (fresh from ``rng``, or
-    ``params`` in sequential layout), which are also the centre. ``optimizer``
+    ``params`` in sequential layout), which are also the centre. ``pipelines``
+    and ``averaging`` default to the plan's fields of those names, when it has
+    them (else ``averaging`` is ``ElasticAveraging()``). ``optimizer``
     is each pipeline's own optimizer (element-wise transforms such as SGD and
     Adam keep per-replica state; transforms that mix elements across a tensor,
     such as global-norm clipping, would mix the replicas). The state works with
@@ -193,6 +196,11 @@ def init(
         raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
+    # Forward-compatible with Plan(pipelines=..., averaging=...): explicit arguments win.
+    pipelines = getattr(plan, "pipelines", None) if pipelines is None else pipelines
+    if pipelines is None:
+        raise ValueError("give pipelines= (the number N of co-located pipelines)")
+    averaging = averaging if averaging is not None else getattr(plan, "averaging", None)
     averaging = ElasticAveraging() if averaging is None else averaging
     if not isinstance(averaging, ElasticAveraging):
         raise TypeError(f"averaging must be a jpipe.averaging.ElasticAveraging, got {type(averaging).__name__}")
@@ -204,7 +212,12 @@ def init(
     if params is None:
         params = model.init_params(rng, batch_slice(_microbatch(example_batch, plan), 0))
     full = optax.chain(optimizer, averaging.transform(pipelines, replica_axis=REPLICA_AXIS))
-    state = _jpipe_init(ens, plan, full, example_batch, params=_replicate(params, pipelines), devices=devices)
+    # jpipe.init sees a plain plan (so that it cannot dispatch back here); the state keeps `plan`.
+    bare = {k: v for k, v in (("pipelines", 1), ("averaging", None)) if hasattr(plan, k)}
+    state = _jpipe_init(ens, dataclasses.replace(plan, **bare) if bare else plan, full, example_batch,
+                        params=_replicate(params, pipelines), devices=devices)
+    if bare:
+        state = state.replace(program=dataclasses.replace(state.program, plan=plan))
     # The centre lives where its replicas live: stage stacks over `pipe`, the rest replicated.
     mesh = state.mesh
     inner_sh, _ = _opt_shardings(full, state.params, mesh)
