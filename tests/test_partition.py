@@ -156,7 +156,8 @@ def test_dapple_plan_non_uniform_replication_for_a_weight_heavy_layer():
     heavy = LayerCost("l", 0.02, 0.04, 1e5, 1e6)
     head = LayerCost("head", 0.001, 0.002, 1e5, 2e9)
     slow_net = Cluster(16, 1, 25e9, 1e8, 64e9)
-    plan = dapple_plan(Profile(layers=(heavy,) * 15 + (head,), microbatch_size=1), 1024, slow_net)
+    # a batch of 15 x 64: micro-batches of 15 split evenly over 15 replicas (samples are whole)
+    plan = dapple_plan(Profile(layers=(heavy,) * 15 + (head,), microbatch_size=1), 960, slow_net)
     _check_plan_shape(plan, 16, slow_net)
     assert plan.stages[-1].replicas == 1 and plan.stages[-1].layers[0] >= 14
     assert plan.pattern.endswith(":1") and max(s.replicas for s in plan.stages) >= 8
@@ -266,3 +267,41 @@ def test_gpt_with_heavy_head_gets_an_uneven_partition():
         even = Plan(pipe, 8 // pipe, 1).stage_partition(8)
         fe, be = stage_costs(prof, even)
         assert max(np.add(f, b)) < max(np.add(fe, be))   # and the stages are better balanced
+
+
+@needs_profiles
+def test_table4_reproduction_matches_at_least_seven_cells():
+    """Acceptance: DAPPLE's Table 4 replication pattern in >= 7 of 9 cells, splits within 2 layers."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "dapple_table4.py")
+    spec = importlib.util.spec_from_file_location("dapple_table4", path)
+    table4 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table4)
+    matches = 0
+    for name, file, batch in table4.MODELS:
+        prof = read_graph_profile(os.path.join(PROFILES, file))
+        for config in table4.CONFIGS:
+            plan = dapple_plan(prof, batch, Cluster.preset(config))
+            pattern, split = table4.PAPER[(name, config)]
+            if plan.pattern != pattern:
+                continue
+            matches += 1
+            if split is not None:
+                got, want = map(int, plan.split.split(":")), map(int, split.split(":"))
+                assert max(abs(a - b) for a, b in zip(got, want)) <= 2, (name, config, plan.split, split)
+    assert matches >= 7, matches
+
+
+def test_dapple_search_space_and_full_search():
+    """search='dapple' returns DP, straight or two stages; search='full' may go deeper, never slower."""
+    layer = LayerCost("l", 0.01, 0.02, 1e6, 2e8)
+    prof = Profile(layers=(layer,) * 16, microbatch_size=1)
+    cluster = Cluster.preset("dapple-B")
+    dapple = dapple_plan(prof, 256, cluster)
+    full = dapple_plan(prof, 256, cluster, search="full")
+    assert dapple.pattern in ("DP", "straight") or len(dapple.stages) == 2
+    assert full.latency <= dapple.latency + 1e-12
+    _check_plan_shape(full, 16, cluster)
+    with pytest.raises(ValueError, match="search must be one of"):
+        dapple_plan(prof, 256, cluster, search="nope")

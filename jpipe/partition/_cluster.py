@@ -95,14 +95,24 @@ class Cluster:
     def transfer_time(self, size: float, src: Sequence[int], dst: Sequence[int]) -> float:
         """Seconds to move ``size`` bytes from a stage on devices ``src`` to one on ``dst`` (counts per server).
 
-        Inside one server the replicas' pieces move over ``min(|src|, |dst|)``
-        NVLink pairs; otherwise every server has one network link, so the
-        pieces share ``min(servers of src, servers of dst)`` links.
+        DAPPLE's split/concat model: the sending stage's replicas each hold a
+        piece of the micro-batch and the receiving stage's replicas each need one;
+        the pieces move concurrently over ``min(|src|, |dst|)`` device pairs, each
+        at NVLink speed when both stages sit in one server and at the
+        point-to-point network speed otherwise (as in DAPPLE's planner, a
+        server's network link is not modelled as shared).
+
+        >>> c = Cluster.preset("dapple-A")
+        >>> c.transfer_time(8e6, [8, 0], [0, 8]) * 1e3   # 8 pairs of 1 MB over 1 GB/s
+        1.0
+        >>> c.transfer_time(8e6, [8, 0], [0, 1]) * 1e3   # everything into one device
+        8.0
         """
         if size <= 0:
             return 0.0
         src_servers = [i for i, c in enumerate(src) if c]
         dst_servers = [i for i, c in enumerate(dst) if c]
+        pairs = min(sum(src), sum(dst))
         if len(src_servers) == 1 and src_servers == dst_servers:
-            return size / (self.intra_server_bandwidth * min(sum(src), sum(dst)))
-        return size / (self.inter_server_bandwidth * min(len(src_servers), len(dst_servers)))
+            return size / (self.intra_server_bandwidth * pairs)
+        return size / (self.inter_server_bandwidth * pairs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -101,6 +102,7 @@ def _costs(profile: Profile) -> _Costs:
     return _Costs(prefix(f), prefix(b), prefix(w), prefix(o), prefix(a), cut)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _place(used: tuple[int, ...], k: int, policy: str, per_server: int) -> tuple[int, ...] | None:
     """Counts per server of a new stage of ``k`` devices, given devices ``used`` per server."""
     free = [per_server - u for u in used]
@@ -128,12 +130,9 @@ def _place(used: tuple[int, ...], k: int, policy: str, per_server: int) -> tuple
 
 
 def _replica_options(n: int, per_server: int) -> list[int]:
-    """Replica counts the search tries for one stage on a cluster of ``n`` devices."""
-    if n <= 32:
-        return list(range(1, n + 1))
+    """Devices per stage DAPPLE considers: a power of two, or whole servers."""
     opts = {2 ** i for i in range(int(math.log2(n)) + 1)}
     opts |= {per_server * i for i in range(1, n // per_server + 1)}
-    opts |= {n - x for x in list(opts) if n - x > 0}
     return sorted(x for x in opts if 1 <= x <= n)
 
 
@@ -147,6 +146,8 @@ class _Evaluator:
         self.divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
 
     def microbatch(self, max_replicas: int) -> int:
+        """Samples per micro-batch: the smallest divisor of the batch with ``min_samples`` per replica of the
+        widest stage."""
         need = max_replicas * self.min_samples
         return next((d for d in self.divisors if d >= need), self.G)
 
@@ -166,13 +167,14 @@ class _Evaluator:
         feasible = np.ones(width, bool)
         for s, (lo, hi, alloc) in enumerate(stages):
             r = reps[s]
-            F[2 * s] = (c.f[hi] - c.f[lo]) * (b / r)
-            B[2 * s] = (c.b[hi] - c.b[lo]) * (b / r)
+            per = math.ceil(b / r)  # samples are whole: the replica with the most paces the stage
+            F[2 * s] = (c.f[hi] - c.f[lo]) * per
+            B[2 * s] = (c.b[hi] - c.b[lo]) * per
             w = c.w[hi] - c.w[lo]
             AR[2 * s] = cl.allreduce_time(1.0, alloc) * w
             opt = (c.o[hi] - c.o[lo]) if self.optimizer_factor is None else self.optimizer_factor * w
             held = min(K - s, M)
-            mem = 2 * w + opt + held * (c.a[hi] - c.a[lo]) * (b / r)
+            mem = 2 * w + opt + held * (c.a[hi] - c.a[lo]) * per
             feasible &= mem <= cl.device_memory
             if s < K - 1:
                 t = cl.transfer_time(1.0, alloc, stages[s + 1][2]) * b * c.cut[np.asarray(hi) - 1]
@@ -182,24 +184,38 @@ class _Evaluator:
         return np.where(feasible, total, np.inf), pivot, M, b
 
 
-def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, min_samples_per_replica: int = 1,
-                optimizer_factor: float | None = None, beam: int = 1) -> DapplePlan:
+SEARCHES = ("dapple", "full")
+
+
+def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, search: str = "dapple",
+                min_samples_per_replica: int | None = None, optimizer_factor: float | None = None,
+                beam: int = 1) -> DapplePlan:
     """DAPPLE's planner: the fastest stages, replica counts and device placement for ``cluster``.
 
-    Dynamic programming over "the first ``j`` layers are planned on ``m``
+    Every plan is scored with :func:`jpipe.partition.dapple_latency`
+    (transfers between stages are stages of their own, see
+    :meth:`Cluster.transfer_time`). A stage runs on a power-of-two number of
+    devices or on whole servers. A micro-batch gives each replica of the most
+    replicated stage ``min_samples_per_replica`` samples (default: the
+    profile batch size, the batch the times were measured at; times scale
+    linearly from it), so ``M = global_batch / (that x max replicas)``.
+
+    ``search="dapple"`` is the space of DAPPLE's published planner, whose
+    decisions (Table 4) are data parallel, straight pipelines (one device per
+    stage, every device used) or two stages ``a:b`` (any split, any replica
+    counts, placed Fresh / Append / Scatter First). ``search="full"`` is the
+    dynamic programme over "the first ``j`` layers are planned on ``m``
     devices; the remaining layers form one last stage replicated on every other
-    device" (keeping the ``beam`` best plans per state). Each step splits that last stage in two at every layer boundary,
-    giving the new stage ``k`` devices placed by Fresh First (unused servers
-    first), Append First (servers in use first) or Scatter First (spread over
-    servers), and keeps, per ``(j, m)``, the plan with the lowest latency
-    (:func:`jpipe.partition.dapple_latency`, transfers as stages of their own).
-    Micro-batches are as small as ``min_samples_per_replica`` samples per replica
-    of the most replicated stage allow (profiled times scale linearly from the
-    profile batch size, as in DAPPLE). Plans whose stage needs more than
-    ``cluster.device_memory`` (``2 W + optimizer state + K_s`` micro-batches of
-    activations, ``K_s`` the 1F1B warm-up) are skipped; ``optimizer_factor``
-    overrides the profile's optimizer-state bytes as a multiple of the weights.
-    Every "S stages x r replicas" plan with a balanced split is also evaluated.
+    device" (keeping the ``beam`` best plans per state): each step splits that
+    last stage at every layer boundary, giving the new stage ``k`` devices
+    placed by each policy; every "S stages x r replicas" plan with a balanced
+    split is also scored. It finds deeper hybrid plans (``4:4:4:4``) that the
+    latency model prefers at times but DAPPLE never reports.
+
+    Plans whose stage needs more than ``cluster.device_memory`` (``2 W +
+    optimizer state + K_s`` micro-batches of activations, ``K_s`` the 1F1B
+    warm-up) are skipped; ``optimizer_factor`` overrides the profile's
+    optimizer-state bytes as a multiple of the weights.
 
     >>> from jpipe.partition import Cluster, LayerCost, Profile
     >>> layer = LayerCost("l", forward=0.01, backward=0.02, activation_bytes=1e6, param_bytes=4e8)
@@ -209,19 +225,106 @@ def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, min_sa
     """
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+    if min_samples_per_replica is None:
+        min_samples_per_replica = profile.microbatch_size
     c = _costs(profile)
-    L, N, dps = profile.num_layers, cluster.num_devices, cluster.devices_per_server
+    L = profile.num_layers
     ev = _Evaluator(c, global_batch, cluster, min_samples_per_replica, optimizer_factor)
+    everything = tuple(cluster.devices_per_server for _ in range(cluster.servers))
+    dp_latency = float(ev.evaluate([(0, L, everything)], 1)[0][0])
+    candidates = [(dp_latency, [(0, L, everything, "fresh")])]
+    if search == "dapple":
+        candidates += _two_stage_plans(ev, L, cluster)
+        candidates += _straight_plans(ev, L, cluster)
+    else:
+        candidates += _dp_plans(ev, L, cluster, beam)
+        candidates += _uniform_plans(ev, L, cluster)
+    latency, raw = min(candidates, key=lambda c: c[0])
+    if not math.isfinite(latency):
+        raise ValueError(f"no plan fits in {cluster.device_memory / 1e9:.1f} GB per device; use a cluster "
+                         f"with more memory or devices, or a smaller global batch")
+    return _finish(raw, ev, cluster, dp_latency)
+
+
+def _rest(cluster: Cluster, used: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(cluster.devices_per_server - u for u in used)
+
+
+def _two_stage_plans(ev: _Evaluator, L: int, cluster: Cluster) -> list[tuple[float, list]]:
+    """The best ``a:b`` plan per (a, placement): every split, scored at once."""
+    N, dps = cluster.num_devices, cluster.devices_per_server
     options = _replica_options(N, dps)
-    option_set = set(options) | {0}
     empty = (0,) * cluster.servers
+    splits = np.arange(1, L)
+    out = []
+    if L < 2:
+        return out
+    for k in options:
+        if k >= N or (N - k) not in options:
+            continue
+        seen = set()
+        for policy in POLICIES:
+            alloc = _place(empty, k, policy, dps)
+            if alloc is None or alloc in seen:
+                continue
+            seen.add(alloc)
+            second = _rest(cluster, alloc)
+            lat = ev.evaluate([(0, splits, alloc), (splits, L, second)], len(splits))[0]
+            i = int(np.argmin(lat))
+            out.append((float(lat[i]), [(0, int(splits[i]), alloc, policy), (int(splits[i]), L, second, "rest")]))
+    return out
 
-    def rest(used: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(dps - u for u in used)
 
+def _minmax_split(work: np.ndarray, L: int, stages: int) -> list[int]:
+    """Boundaries of ``stages`` contiguous ranges minimising the largest ``work[hi] - work[lo]``."""
+    INF = np.inf
+    best = np.full(L + 1, INF)
+    best[1:] = work[1:] - work[0]
+    arg = np.zeros((stages, L + 1), int)
+    for s in range(1, stages):
+        new = np.full(L + 1, INF)
+        for j in range(s + 1, L + 1):
+            i = np.arange(s, j)
+            cost = np.maximum(best[i], work[j] - work[i])
+            t = int(np.argmin(cost))
+            new[j], arg[s, j] = cost[t], i[t]
+        best = new
+    bounds = [L]
+    for s in range(stages - 1, 0, -1):
+        bounds.append(int(arg[s, bounds[-1]]))
+    return [0] + bounds[::-1]
+
+
+def _straight_plans(ev: _Evaluator, L: int, cluster: Cluster) -> list[tuple[float, list]]:
+    """One device per stage on every device, balanced split, placed Append First (and Fresh First)."""
+    N, dps = cluster.num_devices, cluster.devices_per_server
+    if N < 2 or L < N:
+        return []
+    bounds = _minmax_split(ev.c.f + ev.c.b, L, N)
+    out = []
+    for policy in ("append", "fresh"):
+        used = (0,) * cluster.servers
+        raw = []
+        for s in range(N):
+            alloc = _place(used, 1, policy, dps)
+            used = tuple(u + a for u, a in zip(used, alloc))
+            raw.append((bounds[s], bounds[s + 1], alloc, policy))
+        lat = float(ev.evaluate([(lo, hi, a) for lo, hi, a, _ in raw], 1)[0][0])
+        out.append((lat, raw))
+    return out
+
+
+def _dp_plans(ev: _Evaluator, L: int, cluster: Cluster, beam: int) -> list[tuple[float, list]]:
+    """The ``search="full"`` dynamic programme; returns the best plan of every state."""
+    N, dps = cluster.num_devices, cluster.devices_per_server
+    options = _replica_options(N, dps)
+    option_set = set(options)
+    empty = (0,) * cluster.servers
     # state (j, m) -> up to `beam` entries (latency with the rest as one stage, stages, used)
     State = tuple[float, list, tuple[int, ...]]
-    best: dict[tuple[int, int], list[State]] = {}
+    best: dict[tuple[int, int], list[State]] = {(0, 0): [(math.inf, [], empty)]}
 
     def offer(key: tuple[int, int], entry: State) -> None:
         entries = best.setdefault(key, [])
@@ -231,16 +334,15 @@ def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, min_sa
         entries.sort(key=lambda e: e[0])
         del entries[beam:]
 
-    total, _, _, _ = ev.evaluate([(0, L, rest(empty))], 1)
-    dp_latency = float(total[0])
-    offer((0, 0), (dp_latency, [], empty))
+    # worst kept latency per state: a split only reaches Python when it beats it
+    bar = np.full((L + 1, N + 1), np.inf)
     for j in range(L - 1):
         splits = np.arange(j + 1, L)
         for m in sorted(mm for (jj, mm) in best if jj == j):
             for _, prefix, used in list(best[(j, m)]):
                 fixed = [(lo, hi, alloc) for lo, hi, alloc, _ in prefix]
                 for k in options:
-                    if m + k >= N or (N > 32 and (m + k) not in option_set):
+                    if m + k >= N or (N - m - k) not in option_set:
                         continue
                     seen = set()
                     for policy in POLICIES:
@@ -249,18 +351,15 @@ def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, min_sa
                             continue
                         seen.add(alloc)
                         used2 = tuple(u + a for u, a in zip(used, alloc))
-                        lat, _, _, _ = ev.evaluate(fixed + [(j, splits, alloc), (splits, L, rest(used2))],
-                                                   len(splits))
-                        for i in np.flatnonzero(np.isfinite(lat)):
-                            offer((int(splits[i]), m + k),
-                                  (float(lat[i]), prefix + [(j, int(splits[i]), alloc, policy)], used2))
-    candidates = [(e[0], e[1] + [(key[0], L, rest(e[2]), "rest")]) for key, es in best.items() for e in es]
-    candidates += _uniform_plans(ev, L, cluster)
-    latency, raw = min(candidates, key=lambda c: c[0])
-    if not math.isfinite(latency):
-        raise ValueError(f"no plan fits in {cluster.device_memory / 1e9:.1f} GB per device; use a cluster "
-                         f"with more memory or devices, or a smaller global batch")
-    return _finish(raw, ev, cluster, dp_latency)
+                        lat = ev.evaluate(fixed + [(j, splits, alloc), (splits, L, _rest(cluster, used2))],
+                                          len(splits))[0]
+                        for i in np.flatnonzero(lat < bar[splits, m + k]):
+                            key = (int(splits[i]), m + k)
+                            offer(key, (float(lat[i]), prefix + [(j, int(splits[i]), alloc, policy)], used2))
+                            if len(best[key]) == beam:
+                                bar[key] = best[key][-1][0]
+    return [(e[0], e[1] + [(key[0], L, _rest(cluster, e[2]), "rest")])
+            for key, es in best.items() if key != (0, 0) for e in es]
 
 
 def _balanced_split(c: _Costs, L: int, stages: int) -> list[int]:
@@ -313,7 +412,7 @@ def _finish(raw: list, ev: _Evaluator, cluster: Cluster, dp_latency: float) -> D
     ratio = 0.0
     for s in range(len(raw) - 1):
         lo, hi, alloc, _ = raw[s]
-        fwd = (c.f[hi] - c.f[lo]) * b / sum(alloc)
+        fwd = (c.f[hi] - c.f[lo]) * math.ceil(b / sum(alloc))
         t = cluster.transfer_time(c.cut[hi - 1] * b, alloc, raw[s + 1][2])
         ratio = max(ratio, t / fwd if fwd > 0 else math.inf)
     return DapplePlan(tuple(stages), M, b, float(total[0]), int(pivot[0]) // 2, dp_latency, ratio)
