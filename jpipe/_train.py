@@ -32,19 +32,38 @@ class Program:
     executor: Executor
     batch_spec: PyTree  # ShapeDtypeStructs of the global batch
     grads: Any  # (params, batch) -> (loss, grads), a shard_map'ed function
+    nan_policy: str = "raise"  # what train_step does on a non-finite loss: see NAN_POLICIES
+
+
+NAN_POLICIES = ("raise", "skip", "ignore")
+
+
+class NonFiniteError(FloatingPointError):
+    """A step met a NaN or inf (loss, gradients or batch) under ``nan_policy="raise"``.
+
+    ``step`` is the failing step's number (``state.step`` after it, counting from 1)
+    and ``state`` the training state without that step's update, to recover from.
+    """
+
+    def __init__(self, message: str, step: int, state: TrainState) -> None:
+        super().__init__(message)
+        self.step = step
+        self.state = state
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=["program"]
+    jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "skipped_steps"],
+    meta_fields=["program"]
 )
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Parameters (pipelined layout), optimizer state and step count; a pytree."""
+    """Parameters (pipelined layout), optimizer state, step count and skipped steps; a pytree."""
 
     step: jax.Array
     params: Params
     opt_state: optax.OptState
     program: Program
+    skipped_steps: jax.Array | None = None  # steps whose update was skipped (non-finite loss)
 
     @property
     def plan(self) -> Plan:
@@ -122,11 +141,19 @@ def init(
     rng: jax.Array | None = None,
     params: Params | None = None,
     devices: Sequence[jax.Device] | None = None,
+    nan_policy: str = "raise",
 ) -> TrainState:
     """Creates the training state: parameters placed stage by stage on a ``(pipe, data)`` mesh.
 
     Give ``rng`` to initialise fresh parameters, or ``params`` in the sequential
     layout (what :func:`to_sequential` returns) to start from existing ones.
+
+    ``nan_policy`` says what :func:`train_step` does when the loss, a gradient or
+    a floating-point batch value is NaN or inf: ``"raise"`` (default) leaves the
+    update out and raises :class:`NonFiniteError` naming the step (the host
+    reads one flag per step, so steps are not queued ahead); ``"skip"`` leaves
+    the update out, counts it in ``metrics["skipped_steps"]`` and goes on
+    (fully asynchronous); ``"ignore"`` checks nothing.
 
     >>> import jax, jax.numpy as jnp, optax, jpipe
     >>> from flax import nnx
@@ -150,6 +177,8 @@ def init(
         raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
     if (rng is None) == (params is None):
         raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
+    if nan_policy not in NAN_POLICIES:
+        raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
     partition = plan.stage_partition(model.num_layers)
     table = plan.table()
     mesh = make_mesh(plan.pipe, plan.data, devices)
@@ -171,9 +200,10 @@ def init(
     executor = Executor(model, table, layout, mesh, plan.remat)
     batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
     program = Program(model, plan, optimizer, mesh, layout, executor, batch_spec,
-                      executor.build(microbatch, pipelined["pre"]))
+                      executor.build(microbatch, pipelined["pre"]), nan_policy)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))  # as train_step returns it
-    return TrainState(step, pipelined, opt_state, program)
+    skipped = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return TrainState(step, pipelined, opt_state, program, skipped)
 
 
 def _opt_shardings(optimizer, params, mesh: Mesh):
@@ -193,29 +223,100 @@ def _check_step_batch(state: TrainState, batch: PyTree) -> None:
     if jax.tree.structure(batch) != jax.tree.structure(want):
         raise ValueError(f"batch has structure {jax.tree.structure(batch)}, but the state was "
                          f"initialised with {jax.tree.structure(want)}")
-    _check_batch(batch, state.plan)
+    size = _check_batch(batch, state.plan)
+    want_size = jax.tree.leaves(want)[0].shape[0]
+    if size != want_size:  # the executor's buffers are sized by the micro-batch of example_batch
+        raise ValueError(f"batch has {size} samples but the state was initialised with an example_batch of "
+                         f"{want_size}; every step's batch must have that size (call jpipe.init with an "
+                         f"example batch of {size} samples to train on batches of {size})")
     for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(batch), jax.tree.leaves(want)):
         if got.shape[1:] != w.shape[1:] or got.dtype != w.dtype:
             raise ValueError(
                 f"batch{jax.tree_util.keystr(path)} is {got.dtype}{list(got.shape)}, but the state "
-                f"was initialised with {w.dtype}{list(w.shape)} (only the leading size may differ)")
+                f"was initialised with {w.dtype}{list(w.shape)}")
+
+
+def _all_finite(tree: PyTree) -> jax.Array:
+    flags = [jnp.isfinite(a).all() for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    return jnp.stack(flags).all() if flags else jnp.bool_(True)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One pipelined training step on the global ``batch``; returns the new state and metrics.
-
-    ``metrics["loss"]`` is the mean loss over the global batch. The old state
-    is donated. The batch's leading size must be divisible by data x microbatches.
-    """
+def _train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
     _check_step_batch(state, batch)
     program = state.program
     batch = jax.lax.with_sharding_constraint(batch, NamedSharding(program.mesh, P(DATA)))
     loss, grads = program.grads(state.params, batch)
     updates, opt_state = program.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss}
+    skipped = state.skipped_steps
+    if program.nan_policy != "ignore":
+        # A non-finite batch, loss or gradient leaves parameters and optimizer state as they were.
+        finite = _all_finite(batch) & jnp.isfinite(loss) & _all_finite(grads)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        skipped = (jnp.zeros((), jnp.int32) if skipped is None else skipped) + (~finite).astype(jnp.int32)
+        metrics.update(finite=finite, skipped_steps=skipped)
     params = jax.lax.with_sharding_constraint(params, param_shardings(program.mesh, params))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), {"loss": loss}
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped)
+    return new, metrics
+
+
+def _nonfinite_message(state: TrainState, batch: PyTree, metrics: dict[str, jax.Array]) -> str:
+    step = int(state.step)
+    bad = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        # each process checks the rows it holds (all of them in a single-process run)
+        shards = [s.data for s in leaf.addressable_shards] if isinstance(leaf, jax.Array) else [leaf]
+        if any(np.issubdtype(np.asarray(x).dtype, np.inexact) and not np.isfinite(np.asarray(x)).all()
+               for x in shards):
+            bad.append(f"batch{jax.tree_util.keystr(path)}")
+    loss = float(metrics["loss"])
+    if bad:
+        cause = f"the batch has NaN or inf in {', '.join(bad)} (loss {loss})"
+    elif not np.isfinite(loss):
+        cause = f"the loss is {loss}"
+    else:
+        cause = f"a gradient is NaN or inf (loss {loss})"
+    return (f"non-finite values at step {step}: {cause}. The update was not applied; the state "
+            f"without it is this error's .state. Check the data and the learning rate, or pass "
+            f"nan_policy='skip' to jpipe.init to skip such steps and count them in "
+            f"metrics['skipped_steps']")
+
+
+class _TrainStep:
+    """``jpipe.train_step``: the jitted step plus, under ``nan_policy="raise"``, a host-side check."""
+
+    def __init__(self, jitted: Any) -> None:
+        self._jitted = jitted
+        functools.update_wrapper(self, jitted)
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One pipelined training step on the global ``batch``; returns the new state and metrics.
+
+        ``metrics["loss"]`` is the mean loss over the global batch, ``metrics["finite"]``
+        whether the step's loss, gradients and batch were all finite and
+        ``metrics["skipped_steps"]`` how many steps had their update left out
+        (see ``nan_policy`` in :func:`jpipe.init`). The old state is donated. The
+        batch's leading size must be divisible by data x microbatches.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(f"train_step takes a jpipe.TrainState (from jpipe.init) as its first argument, "
+                            f"got {type(state).__name__}")
+        new, metrics = self._jitted(state, batch)
+        if state.program.nan_policy == "raise" and not bool(metrics["finite"]):
+            raise NonFiniteError(_nonfinite_message(new, batch, metrics), int(new.step), new)
+        return new, metrics
+
+    def __getattr__(self, name: str) -> Any:  # lower, trace, eval_shape, ... of the jitted step
+        if name == "_jitted":
+            raise AttributeError(name)
+        return getattr(self._jitted, name)
+
+
+train_step = _TrainStep(_train_step)
+train_step.__doc__ = _TrainStep.__call__.__doc__
 
 
 def to_sequential(state: TrainState) -> Params:

@@ -1,0 +1,170 @@
+"""Two local processes on loopback (gloo): the same plan gives the same losses and parameters as one
+process, with ``pipe`` and with ``data`` across processes; one process dying ends the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe import distributed
+
+PLAN = {"pipe": 2, "data": 2, "microbatches": 4}
+GLOBAL_BATCH, STEPS, LR = 16, 3, 1e-2
+HEARTBEAT_S = 5
+
+
+def _model_and_batch(step: int):
+    from test_executor import make_batch, make_model
+
+    return make_model("nnx", num_layers=4), {k: np.asarray(v) for k, v in make_batch(GLOBAL_BATCH, seed=step).items()}
+
+
+def equality_worker(out_dir: str) -> None:
+    """Each process: 2 CPU devices; pipe across processes, then data across processes."""
+    from jax.experimental import multihost_utils
+
+    from jpipe.checkpoint import Checkpointer
+
+    info = distributed.initialize()
+    results = {}
+    for across in ("pipe", "data"):
+        devices = distributed.mesh_devices(PLAN["pipe"], PLAN["data"], across)
+        mesh = jpipe.make_mesh(PLAN["pipe"], PLAN["data"], devices)
+        rows = distributed.local_rows(mesh, GLOBAL_BATCH)
+
+        def batch(step: int, rows=rows, mesh=mesh):  # this process loads only its own rows
+            _, full = _model_and_batch(step)
+            return distributed.global_batch(mesh, {k: v[rows] for k, v in full.items()}, GLOBAL_BATCH)
+
+        model, _ = _model_and_batch(0)
+        state = jpipe.init(model, jpipe.Plan(**PLAN), optax.adam(LR), batch(0), rng=jax.random.key(0),
+                           devices=devices)
+        stages_on = {int(s.device.process_index) for s in
+                     state.params["stages"]["up"]["kernel"].addressable_shards}
+        losses = []
+        for step in range(STEPS):
+            state, metrics = jpipe.train_step(state, batch(step))
+            losses.append(float(metrics["loss"]).hex())
+        params = multihost_utils.process_allgather(jpipe.to_sequential(state), tiled=True)
+        if across == "pipe":  # every process writes its part of one checkpoint
+            with Checkpointer(Path(out_dir) / "ckpt") as ckpt:
+                ckpt.save(state, force=True)
+        if info.process_id == 0:
+            np.savez(Path(out_dir) / f"{across}.npz", *jax.tree.leaves(params))
+        results[across] = {"losses": losses, "rows": [rows.start, rows.stop], "stage_processes": sorted(stages_on)}
+    print("RESULT " + json.dumps({"process": info.process_id, "devices": len(info.local_devices), **results}))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same plan in this one process, on 4 of its devices."""
+    model, b0 = _model_and_batch(0)
+    state = jpipe.init(model, jpipe.Plan(**PLAN), optax.adam(LR), b0, rng=jax.random.key(0),
+                       devices=jax.devices()[:4])
+    losses = []
+    for step in range(STEPS):
+        state, metrics = jpipe.train_step(state, _model_and_batch(step)[1])
+        losses.append(float(metrics["loss"]).hex())
+    return losses, [np.asarray(x) for x in jax.tree.leaves(jpipe.to_sequential(state))]
+
+
+def test_two_processes_equal_one_process(tmp_path, reference):
+    results = distributed.launch_local(equality_worker, num_processes=2, devices_per_process=2, timeout=240,
+                                       args=[str(tmp_path)], check=True)
+    out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
+           if line.startswith("RESULT ")]
+    assert [o["process"] for o in out] == [0, 1] and all(o["devices"] == 2 for o in out)
+    losses, params = reference
+    # pipe across processes: each process holds one stage (both its replicas) and the whole batch
+    assert [o["pipe"]["stage_processes"] for o in out] == [[0], [1]]
+    assert [o["pipe"]["rows"] for o in out] == [[0, 16], [0, 16]]
+    # data across processes: each process holds both stages of one replica and half the batch
+    assert [o["data"]["stage_processes"] for o in out] == [[0], [1]]
+    assert [o["data"]["rows"] for o in out] == [[0, 8], [8, 16]]
+    for across in ("pipe", "data"):
+        for o in out:
+            np.testing.assert_allclose([float.fromhex(h) for h in o[across]["losses"]],
+                                       [float.fromhex(h) for h in losses], rtol=1e-6)
+        got = np.load(tmp_path / f"{across}.npz")
+        for i, want in enumerate(params):
+            np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=1e-5, atol=1e-6)
+    # the checkpoint both processes wrote reads back in this single process
+    from jpipe.checkpoint import Checkpointer
+
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.all_steps() == [STEPS]
+        saved = jax.tree.leaves(ckpt.restore_params())
+    for got, want in zip(saved, params):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def dying_worker(victim: int) -> None:
+    """Trains pipe=2 across the two processes; ``victim`` is SIGKILLed after two steps."""
+    info = distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=5)
+    model, b = _model_and_batch(0)
+    state = jpipe.init(model, jpipe.Plan(2, 1, 2), optax.sgd(LR), b, rng=jax.random.key(0))
+    step = 0
+    while True:
+        if step == 2 and info.process_id == victim:
+            print("DYING", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        state, metrics = jpipe.train_step(state, b)
+        print(f"step {step} loss {float(metrics['loss'])}", flush=True)
+        step += 1
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker-dies", "coordinator-dies"])
+def test_one_process_dies_the_other_exits_with_a_clear_error(victim):
+    results = distributed.launch_local(dying_worker, num_processes=2, devices_per_process=1, timeout=180,
+                                       args=[victim], grace=90)
+    dead, survivor = results[victim], results[1 - victim]
+    assert "DYING" in dead.output and dead.returncode == -signal.SIGKILL, dead.output[-2000:]
+    assert not survivor.killed, "the survivor hung until the launcher killed it:\n" + survivor.output[-3000:]
+    assert survivor.returncode != 0
+    assert "another task died" in survivor.output or "stopped sending heartbeats" in survivor.output, \
+        survivor.output[-3000:]
+    # bounded: the heartbeat timeout plus a margin for a loaded machine
+    assert survivor.elapsed_s - dead.elapsed_s < HEARTBEAT_S + 40, (survivor.elapsed_s, dead.elapsed_s)
+
+
+def test_launcher_kills_all_on_timeout_and_returns_outputs(tmp_path):
+    script = tmp_path / "sleepy.py"
+    script.write_text("import os, time\nprint('up', os.environ['JPIPE_PROCESS_ID'], flush=True)\n"
+                      "if os.environ['JPIPE_PROCESS_ID'] == '1': time.sleep(600)\n")
+    results = distributed.launch_local(script, num_processes=2, timeout=5)
+    assert results[0].ok and not results[0].killed
+    assert results[1].killed and results[1].returncode == -signal.SIGKILL and "up 1" in results[1].output
+    assert results[1].elapsed_s < 30
+
+
+def test_launcher_kills_the_rest_when_one_fails(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys, time\nif os.environ['JPIPE_PROCESS_ID'] == '0': sys.exit(3)\n"
+                      "time.sleep(600)\n")
+    results = distributed.launch_local(script, num_processes=3, timeout=120)
+    assert results[0].returncode == 3
+    assert all(r.killed for r in results[1:]) and max(r.elapsed_s for r in results) < 30
+    with pytest.raises(distributed.LaunchError, match="process 0: exit 3"):
+        distributed.launch_local(script, num_processes=2, timeout=120, check=True)
+
+
+def test_initialize_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="coordinator must be HOST:PORT"):
+        distributed.initialize("127.0.0.1", 2, 0)
+    with pytest.raises(ValueError, match="also give process_id"):
+        distributed.initialize("127.0.0.1:1234", 2)
+    with pytest.raises(ValueError, match="process_id must be an int from 0 to num_processes - 1 = 1"):
+        distributed.initialize("127.0.0.1:1234", 2, 2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
