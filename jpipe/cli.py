@@ -60,7 +60,64 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eval-batches", type=int, default=8, help="held-out batches (of --batch-size) to evaluate")
     add("--max-chars", type=int, default=3_000_000, help="bytes of standard-library source to use")
     train.set_defaults(run=_train)
+    _add_plan(commands)
     return parser
+
+
+def _add_plan(commands) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="rank pipeline plans for the built-in GPT",
+        description="Profile the built-in byte-level GPT on this machine's devices and print jpipe.plan's "
+                    "ranked candidates: pipe x data, micro-batches, schedule, partition, predicted step "
+                    "time, bubble and memory per device. Without accelerators it plans for --devices "
+                    "simulated CPU devices.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = plan.add_argument
+    add("--devices", type=int, default=8, help="devices to plan for")
+    add("--batch-size", type=int, default=32, help="sequences per step (global batch)")
+    add("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
+    add("--layers", type=int, default=8, help="transformer blocks")
+    add("--d-model", type=int, default=64, help="model width")
+    add("--heads", type=int, default=4, help="attention heads")
+    add("--memory-limit", type=float, default=None, metavar="MIB",
+        help="MiB per device (default: what the device reports, else no limit)")
+    add("--top", type=int, default=20, help="candidates to print (0: all)")
+    plan.set_defaults(run=_plan, plan_parser=plan)
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    sub = args.plan_parser
+    for name in ("devices", "batch_size", "seq_len", "layers", "d_model", "heads"):
+        if getattr(args, name) < 1:
+            sub.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_size < args.devices:
+        sub.error(f"--batch-size {args.batch_size} is smaller than --devices {args.devices}; every data "
+                  f"replica needs at least one sequence")
+    _force_host_devices(args.devices)  # before JAX creates its runtime
+    try:
+        devices = _pick_devices(args.devices)
+        import jax.numpy as jnp
+
+        import jpipe
+        from jpipe import models
+
+        model = models.gpt(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.heads,
+                           num_layers=args.layers)
+        tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
+        limit = None if args.memory_limit is None else args.memory_limit * 2**20
+        choice = jpipe.plan(model, {"tokens": tokens, "targets": tokens}, devices=devices, memory_limit=limit)
+    except ValueError as e:
+        sub.error(str(e))
+    print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {args.seq_len} tokens; "
+          f"batch {args.batch_size} on {len(devices)} {devices[0].platform} devices "
+          f"({len(choice.candidates)} candidates, fastest that fits first)")
+    print(choice.table(top=args.top or None))
+    p = choice.plan
+    print(f"chosen: pipe {p.pipe} x data {p.data}, {p.microbatches} micro-batches, {p.schedule}, "
+          f"partition {','.join(map(str, p.partition)) if p.partition else 'even'}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
