@@ -1,10 +1,19 @@
-"""Command line: ``jpipe train`` (also ``python -m jpipe train``).
+"""Command line: ``jpipe train | schedule | report`` (also ``python -m jpipe ...``).
 
 ``jpipe train`` trains a small byte-level GPT on the Python standard library's
-own source (:mod:`jpipe.data`) with a pipeline-parallel plan (by default 4
-stages x 2 replicas, 4 micro-batches, 1F1B), prints the training loss as it
-goes and ends with the loss on held-out files, computed by the plain
-sequential model on one device.
+own source (:mod:`jpipe.data`) with a pipeline-parallel plan -- from the planner
+when there is one and no plan option is given, else pipe 4 x data 2, 4
+micro-batches, 1F1B -- showing a progress bar, evaluating on held-out files and
+writing a run folder (``runs/<timestamp>`` or ``--out``): plan, metrics (JSON
+lines), orbax checkpoints, the schedule's Gantt chart, the loss curves and a
+markdown report (see :mod:`jpipe.run` and :mod:`jpipe.report`). ``--config
+FILE.toml`` takes the same options as keys; options on the command line win.
+``--resume`` continues the run in ``--out`` (default: the latest under ``runs/``)
+from its last checkpoint.
+
+``jpipe schedule show NAME --pipe P --microbatches M [--png FILE]`` prints a
+schedule table and its simulated bubble; ``jpipe report RUN_DIR`` re-renders a
+run's report.
 
 Without accelerators it runs on ``pipe x data`` simulated CPU devices: unless
 ``XLA_FLAGS`` already sets ``--xla_force_host_platform_device_count``, the
@@ -13,55 +22,143 @@ host platform; an accelerator, where there is one with enough devices, is
 still used.) This module therefore does not use JAX at import time.
 
 >>> from jpipe.cli import build_parser
->>> args = build_parser().parse_args(["train", "--steps", "10"])
+>>> args = build_parser().parse_args(["train", "--steps", "10", "--pipe", "2"])
 >>> args.steps, args.pipe, args.data, args.microbatches, args.schedule
-(10, 4, 2, 4, '1f1b')
+(10, 2, None, None, None)
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 from collections.abc import Sequence
+from typing import Any
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+# Destinations of ``jpipe train`` that are not options of the run (and not config-file keys).
+_NOT_CONFIG = {"command", "run", "config", "resume", "help"}
+
+
+def _add_train(commands) -> argparse.ArgumentParser:
+    from jpipe.run import FIXED_PLAN, TrainConfig
+
+    d = TrainConfig  # the defaults live in one place
+    train = commands.add_parser(
+        "train",
+        help="train a small GPT on the Python standard library's source",
+        description="Train a small byte-level GPT on the Python standard library's own source code "
+                    "with a pipeline-parallel plan; writes a run folder with the plan, metrics, "
+                    "checkpoints, pictures and a report. A --config FILE.toml takes the same options as "
+                    "keys (e.g. batch_size = 64); options on the command line win.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = train.add_argument
+    add("--config", metavar="FILE.toml", help="read options from a TOML file (keys as the options)")
+    add("--out", default=None, help="run folder (default: runs/<timestamp>)")
+    add("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+        help="continue RUN_DIR (or --out, or the latest run under runs/) from its last checkpoint; "
+             "the step counter, batches and loss trajectory continue where they stopped")
+    add("--steps", type=int, default=d.steps, help="training steps")
+    add("--batch-size", type=int, default=d.batch_size, help="sequences per step (global batch)")
+    add("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
+    add("--layers", type=int, default=d.layers, help="transformer blocks")
+    add("--d-model", type=int, default=d.d_model, help="model width")
+    add("--heads", type=int, default=d.heads, help="attention heads")
+    add("--framework", choices=("nnx", "linen"), default=d.framework, help="Flax API of the model")
+    plan_default = "the planner's choice, else {}"
+    add("--pipe", type=int, default=None, help="pipeline stages (default: " +
+        plan_default.format(FIXED_PLAN["pipe"]) + ")")
+    add("--data", type=int, default=None, help="data-parallel replicas (default: " +
+        plan_default.format("8 / pipe") + ")")
+    add("--microbatches", type=int, default=None, help="micro-batches per step (default: " +
+        plan_default.format(FIXED_PLAN["microbatches"]) + ")")
+    add("--schedule", default=None, help="pipeline schedule, e.g. gpipe, 1f1b, 1f1b-b (default: " +
+        plan_default.format(FIXED_PLAN["schedule"]) + ")")
+    add("--virtual-stages", type=int, default=d.virtual_stages,
+        help="model chunks per device (for interleaved schedules)")
+    add("--remat", action=argparse.BooleanOptionalAction, default=d.remat,
+        help="recompute each stage's forward in its backward")
+    add("--lr", type=float, default=d.lr, help="Adam learning rate")
+    add("--seed", type=int, default=d.seed, help="seed of the initial parameters and of the batches")
+    add("--log-every", type=int, default=d.log_every, help="print the mean training loss every this many steps")
+    add("--eval-every", type=int, default=d.eval_every, help="held-out evaluation every this many steps (0: at the end)")
+    add("--eval-batches", type=int, default=d.eval_batches, help="held-out batches (of --batch-size) to evaluate")
+    add("--checkpoint-every", type=int, default=d.checkpoint_every,
+        help="save a checkpoint every this many steps, and at the end (0: only at the end)")
+    add("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints to keep")
+    add("--max-chars", type=int, default=d.max_chars, help="bytes of standard-library source to use")
+    add("--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="show a progress bar (default: when stderr is a terminal)")
+    train.set_defaults(run=_train)
+    return train
+
+
+def _add_schedule(commands) -> None:
+    schedule = commands.add_parser("schedule", help="show a pipeline schedule",
+                                   description="Show a schedule's table, its simulated bubble and, with "
+                                               "--png, its Gantt chart.")
+    actions = schedule.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print a schedule table and its simulated bubble")
+    show.add_argument("name", metavar="NAME", help="a schedule name (e.g. 1f1b, gpipe)")
+    show.add_argument("--pipe", type=int, default=4, help="devices (pipeline stages)")
+    show.add_argument("--microbatches", type=int, default=8, help="micro-batches")
+    show.add_argument("--chunks", type=int, default=None, help="model chunks per device (interleaved schedules)")
+    show.add_argument("--png", metavar="FILE", default=None, help="also write the Gantt chart to FILE")
+    show.set_defaults(run=_schedule_show)
+
+
+def _add_report(commands) -> None:
+    rep = commands.add_parser("report", help="re-render a run folder's report",
+                              description="Re-render report.md and loss.png of a jpipe train run folder.")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    rep.set_defaults(run=_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``jpipe`` argument parser."""
     parser = argparse.ArgumentParser(prog="jpipe", description="Pipeline-parallel training for JAX/Flax.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    train = commands.add_parser(
-        "train",
-        help="train a small GPT on the Python standard library's source",
-        description="Train a small byte-level GPT on the Python standard library's own source code "
-                    "with a pipeline-parallel plan, printing the training loss and, at the end, the "
-                    "loss on held-out files.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add = train.add_argument
-    add("--steps", type=int, default=300, help="training steps")
-    add("--batch-size", type=int, default=32, help="sequences per step (global batch)")
-    add("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
-    add("--pipe", type=int, default=4, help="pipeline stages")
-    add("--data", type=int, default=2, help="data-parallel replicas")
-    add("--microbatches", type=int, default=4, help="micro-batches per step")
-    add("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, 1f1b-b")
-    add("--lr", type=float, default=3e-3, help="Adam learning rate")
-    add("--layers", type=int, default=4, help="transformer blocks")
-    add("--d-model", type=int, default=64, help="model width")
-    add("--heads", type=int, default=4, help="attention heads")
-    add("--framework", choices=("nnx", "linen"), default="nnx", help="Flax API of the model")
-    add("--seed", type=int, default=0, help="seed of the initial parameters and of the batches")
-    add("--log-every", type=int, default=25, help="print the mean training loss every this many steps")
-    add("--eval-batches", type=int, default=8, help="held-out batches (of --batch-size) to evaluate")
-    add("--max-chars", type=int, default=3_000_000, help="bytes of standard-library source to use")
-    train.set_defaults(run=_train)
+    _add_train(commands)
+    _add_schedule(commands)
+    _add_report(commands)
     _add_plan(commands)
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def _check_config_values(train: argparse.ArgumentParser, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Checks config-file ``values`` against the options of ``jpipe train``; returns them typed."""
+    actions = {a.dest: a for a in train._actions if a.dest not in _NOT_CONFIG and a.option_strings}
+    out = {}
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None:
+            valid = ", ".join(sorted(k.replace("_", "-") for k in actions))
+            raise ValueError(f"{where}: unknown key {key!r}; valid keys: {valid}")
+        option = action.option_strings[0]
+        if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be true or false (like {option}), got {value!r}")
+        elif action.type is int:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be an integer (like {option}), got {value!r}")
+        elif action.type is float:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be a number (like {option}), got {value!r}")
+            value = float(value)
+        elif not isinstance(value, str):
+            raise ValueError(f"{where}: {key} must be a string (like {option}), got {value!r}")
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"{where}: {key} must be one of {sorted(action.choices)}, got {value!r}")
+        out[key] = value
+    return out
 
 
 def _add_plan(commands) -> None:
@@ -122,12 +219,48 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``jpipe`` command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "train":
+        args = _train_args(parser, argv, args)
+        args.argv = argv
     return args.run(args, parser)
+
+
+def _train_args(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> argparse.Namespace:
+    """Re-parses ``jpipe train`` with the resumed run's options, then the --config file's, as defaults."""
+    from jpipe import run
+
+    train = _subparser(parser, "train")
+    defaults: dict[str, Any] = {}
+    try:
+        if args.resume:
+            run_dir = args.resume if isinstance(args.resume, str) else (args.out or run.latest_run())
+            saved = os.path.join(run_dir, "config.toml")
+            if not os.path.exists(saved):
+                raise FileNotFoundError(f"cannot resume {run_dir!r}: it has no config.toml (not a jpipe "
+                                        f"train run folder?)")
+            defaults.update(_check_config_values(train, run.load_config(saved), saved))
+            defaults["out"] = run_dir
+        if args.config:
+            defaults.update(_check_config_values(train, run.load_config(args.config), args.config))
+    except (OSError, ValueError) as e:
+        train.error(str(e))
+    if not defaults:
+        return args
+    train.set_defaults(**defaults)
+    new = parser.parse_args(argv)
+    if args.resume:
+        changed = [k for k in run.SHAPE_KEYS if k in defaults and getattr(new, k) != defaults[k]]
+        if changed:
+            train.error(f"cannot resume with other {', '.join('--' + k.replace('_', '-') for k in changed)} "
+                        f"than the run had; they fix the model's parameters and data")
+        new.out = defaults["out"]
+    return new
 
 
 def _force_host_devices(count: int) -> None:
@@ -159,97 +292,44 @@ def _pick_devices(count: int):
         f"XLA_FLAGS={_DEVICE_FLAG}={count}")
 
 
-def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    for name in ("steps", "batch_size", "seq_len", "pipe", "data", "microbatches", "layers", "d_model",
-                 "heads", "log_every", "eval_batches", "max_chars"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    per = args.data * args.microbatches
-    if args.batch_size % per:
-        parser.error(f"--batch-size {args.batch_size} must be a multiple of data x microbatches = "
-                     f"{args.data} x {args.microbatches} = {per}")
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
-    if args.pipe > args.layers:
-        parser.error(f"--pipe {args.pipe} is more than --layers {args.layers}; every stage needs a layer")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
-
-
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    _check_args(args, parser)
-    num_devices = args.pipe * args.data
-    _force_host_devices(num_devices)  # before JAX creates its runtime
+    from jpipe import run
 
-    import jax
-    import optax
+    train = _subparser(parser, "train")
+    config = run.config_from_mapping(vars(args))
+    try:
+        config.check()
+    except ValueError as e:
+        train.error(str(e))
+    _force_host_devices(config.num_devices_wanted())  # before JAX creates its runtime
+    try:
+        devices = _pick_devices(config.num_devices_wanted())
+        run.train(config, resume=bool(args.resume), devices=devices,
+                  command=run.command_line(args.argv))
+    except (ValueError, FileNotFoundError) as e:
+        train.error(str(e))
+    return 0
 
-    import jpipe
-    from jpipe import data, models
+
+def _schedule_show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from jpipe import schedules
+
+    options = {} if args.chunks is None else {"num_chunks": args.chunks}
+    try:
+        print(schedules.main_show(args.name, args.pipe, args.microbatches, args.png, **options))
+    except (ValueError, TypeError, schedules.ScheduleError) as e:
+        _subparser(_subparser(parser, "schedule"), "show").error(str(e))
+    return 0
+
+
+def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from jpipe import report
 
     try:
-        plan = jpipe.Plan(pipe=args.pipe, data=args.data, microbatches=args.microbatches,
-                          schedule=args.schedule)
-        devices = _pick_devices(num_devices)
-        corpus = data.load(args.max_chars)
-    except ValueError as e:
-        parser.error(str(e))
-    model = models.gpt(corpus.vocab_size, args.seq_len, d_model=args.d_model, num_heads=args.heads,
-                       num_layers=args.layers, framework=args.framework)
-    train_batches = corpus.batches(args.seq_len, args.batch_size, seed=args.seed, split="train")
-    eval_batches = list(corpus.batches(args.seq_len, args.batch_size, seed=args.seed + 1,
-                                       split="heldout", num_batches=args.eval_batches))
-
-    print(f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes of Python "
-          f"standard-library source ({len(corpus.train_files)} / {len(corpus.heldout_files)} files)")
-    print(f"model: GPT ({args.framework}), {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
-          f"seq_len {args.seq_len}, byte vocabulary ({corpus.vocab_size})")
-    print(f"plan: pipe {args.pipe} x data {args.data} on {num_devices} {devices[0].platform} devices, "
-          f"{args.microbatches} micro-batches, schedule {args.schedule!r}; batch {args.batch_size}, "
-          f"adam lr {args.lr:g}")
-
-    start = time.perf_counter()
-    state = jpipe.init(model, plan, optax.adam(args.lr), next(train_batches),
-                       rng=jax.random.key(args.seed), devices=devices)
-    num_params = sum(x.size for x in jax.tree.leaves(jpipe.to_sequential(state)))
-    print(f"parameters: {num_params:,}")
-
-    eval_device = devices[0]
-    loss_fn = jax.jit(model.loss_value)
-
-    def heldout_loss() -> float:
-        params = jax.device_put(jpipe.to_sequential(state), eval_device)
-        losses = [loss_fn(params, jax.device_put(b, eval_device)) for b in eval_batches]
-        return float(sum(float(x) for x in losses) / len(losses))
-
-    initial_heldout = heldout_loss()
-    print(f"held-out loss at initialisation: {initial_heldout:.4f} (uniform: log 256 = {math.log(256):.4f})")
-
-    tokens_per_step = args.batch_size * args.seq_len
-    window: list = []
-    first_loss = last_loss = float("nan")
-    tick = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        state, metrics = jpipe.train_step(state, next(train_batches))
-        window.append(metrics["loss"])
-        if step == 1:
-            first_loss = float(metrics["loss"])
-            print(f"step {step:>5}  loss {first_loss:.4f}  (includes compilation: "
-                  f"{time.perf_counter() - tick:.1f}s)", flush=True)
-            window, tick = [], time.perf_counter()
-        elif step % args.log_every == 0 or step == args.steps:
-            last_loss = float(sum(float(x) for x in window) / len(window))
-            elapsed = time.perf_counter() - tick
-            print(f"step {step:>5}  loss {last_loss:.4f}  "
-                  f"{len(window) * tokens_per_step / elapsed:,.0f} tokens/s", flush=True)
-            window, tick = [], time.perf_counter()
-    if args.steps == 1:
-        last_loss = first_loss
-
-    final_heldout = heldout_loss()
-    total = time.perf_counter() - start
-    print(f"held-out loss: {final_heldout:.4f} (was {initial_heldout:.4f}); "
-          f"train loss {first_loss:.4f} -> {last_loss:.4f}; {args.steps} steps in {total:.1f}s")
+        path = report.write_report(args.run_dir)
+    except (OSError, ValueError) as e:
+        _subparser(parser, "report").error(str(e))
+    print(f"wrote {path}")
     return 0
 
 

@@ -97,6 +97,33 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.train) + len(self.heldout)
 
+    def unigram_entropy(self, split: str = "train") -> float:
+        """Entropy (nats per byte) of the byte frequencies of ``split``.
+
+        >>> corpus = load(max_chars=200_000)
+        >>> 2.5 < corpus.unigram_entropy() < 4.0
+        True
+        """
+        counts = np.bincount(self.split(split), minlength=self.vocab_size).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    def unigram_loss(self) -> float:
+        """The loss of predicting character frequencies: the mean cross-entropy (nats per byte) of
+        the held-out bytes under the training split's byte frequencies (add-one-half smoothed).
+
+        A language model that learned anything beyond how often each byte occurs has a
+        held-out loss below this.
+
+        >>> corpus = load(max_chars=200_000)
+        >>> corpus.unigram_loss() >= corpus.unigram_entropy("heldout")
+        True
+        """
+        counts = np.bincount(self.train, minlength=self.vocab_size) + 0.5
+        log_q = np.log(counts / counts.sum())
+        held = np.bincount(self.heldout, minlength=self.vocab_size)
+        return float(-(held * log_q).sum() / held.sum())
+
     def batches(
         self,
         seq_len: int,

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jpipe
-from jpipe import cli, data, models
+from jpipe import data, models
 
 SMALL_CORPUS = 300_000
 
@@ -125,21 +125,3 @@ def test_batches_are_deterministic_windows_of_their_split():
             assert window in heldout
     with pytest.raises(ValueError, match="split"):
         next(corpus.batches(16, 4, split="test"))
-
-
-def test_cli_train_runs(capsys):
-    code = cli.main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--pipe", "2",
-                     "--data", "2", "--microbatches", "2", "--layers", "2", "--d-model", "16",
-                     "--heads", "2", "--log-every", "2", "--eval-batches", "1", "--max-chars",
-                     str(SMALL_CORPUS)])
-    assert code == 0
-    out = capsys.readouterr().out
-    assert "step     3  loss" in out
-    assert "held-out loss:" in out
-
-
-def test_cli_rejects_bad_plans():
-    with pytest.raises(SystemExit):
-        cli.main(["train", "--batch-size", "6"])  # not a multiple of data x microbatches
-    with pytest.raises(SystemExit):
-        cli.main(["train", "--schedule", "zigzag", "--steps", "1", "--max-chars", str(SMALL_CORPUS)])

@@ -1,0 +1,464 @@
+"""The main job behind ``jpipe train``: train a small GPT on the standard library's source and
+write a run folder (plan, metrics, checkpoints, pictures, report; see :mod:`jpipe.report`).
+
+:class:`TrainConfig` holds every option of ``jpipe train`` (TOML config files use the same
+keys) and :func:`train` runs it. Without plan options (``pipe``, ``data``, ``microbatches``,
+``schedule`` all ``None``) the plan comes from ``jpipe.plan`` (the planner) when jpipe has one,
+else it is the fixed plan pipe 4 x data 2, 4 micro-batches, 1F1B.
+
+>>> config = TrainConfig(steps=2, batch_size=8, pipe=2, data=1, microbatches=2)
+>>> config.check(); config.plan_given, config.num_devices_wanted()
+(True, 2)
+
+``train(config)`` then writes ``runs/<timestamp>`` (or ``config.out``) and returns the
+run's summary; ``jpipe train`` is its command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from jpipe import report
+
+__all__ = ["FIXED_PLAN", "TrainConfig", "choose_plan", "dump_config", "latest_run", "load_config", "train"]
+
+FIXED_PLAN = {"pipe": 4, "data": 2, "microbatches": 4, "schedule": "1f1b"}
+PLAN_KEYS = ("pipe", "data", "microbatches", "schedule")
+# Options that fix the model's parameter shapes or its data; a resumed run may not change them.
+SHAPE_KEYS = ("layers", "d_model", "heads", "seq_len", "framework", "max_chars")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every option of ``jpipe train``; a TOML config file has the same keys (``-`` or ``_``).
+
+    >>> TrainConfig(steps=10).steps, TrainConfig().plan_given
+    (10, False)
+    """
+
+    steps: int = 300
+    batch_size: int = 32
+    seq_len: int = 64
+    layers: int = 4
+    d_model: int = 64
+    heads: int = 4
+    framework: str = "nnx"
+    pipe: int | None = None
+    data: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int = 1
+    remat: bool = False
+    lr: float = 3e-3
+    seed: int = 0
+    log_every: int = 25
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_chars: int = 3_000_000
+    out: str | None = None
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+
+    @property
+    def plan_given(self) -> bool:
+        """Whether any of ``pipe``, ``data``, ``microbatches``, ``schedule`` is set."""
+        return any(getattr(self, k) is not None for k in PLAN_KEYS)
+
+    def num_devices_wanted(self) -> int:
+        """Devices an explicit plan needs (8 when the planner or the fixed plan decides)."""
+        if self.pipe is None and self.data is None:
+            return FIXED_PLAN["pipe"] * FIXED_PLAN["data"]
+        pipe = self.pipe or FIXED_PLAN["pipe"]
+        return pipe * (self.data or max(1, 8 // pipe))
+
+    def check(self) -> None:
+        """Raises ``ValueError`` naming the first bad option."""
+        positive = ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "virtual_stages",
+                    "log_every", "eval_batches", "max_chars")
+        for name in positive + ("pipe", "data", "microbatches"):
+            value = getattr(self, name)
+            if value is None and name in ("pipe", "data", "microbatches"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+        for name in ("eval_every", "checkpoint_every", "keep_checkpoints"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0 (0: never), got {value!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if self.d_model % self.heads:
+            raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
+        if self.framework not in ("nnx", "linen"):
+            raise ValueError(f"--framework must be 'nnx' or 'linen', got {self.framework!r}")
+        if self.schedule is not None:
+            from jpipe.schedules import get_schedule
+
+            get_schedule(self.schedule)  # unknown names raise, listing the known ones
+        if self.plan_given:
+            pipe = self.pipe or FIXED_PLAN["pipe"]
+            per = (self.data or max(1, 8 // pipe)) * (self.microbatches or FIXED_PLAN["microbatches"])
+            if self.batch_size % per:
+                raise ValueError(f"--batch-size {self.batch_size} must be a multiple of data x microbatches "
+                                 f"= {per}")
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """The options in TOML file ``path`` (keys as in :class:`TrainConfig`, ``-`` or ``_``).
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.toml")
+    >>> _ = open(path, "w").write('steps = 50\\nbatch-size = 16\\n')
+    >>> load_config(path)
+    {'steps': 50, 'batch_size': 16}
+    """
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+    return {key.replace("-", "_"): value for key, value in raw.items()}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def dump_config(config: TrainConfig, path: str) -> None:
+    """Writes ``config`` as TOML (options that are ``None`` are left out).
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "config.toml")
+    >>> dump_config(TrainConfig(steps=7, schedule="gpipe"), path)
+    >>> cfg = load_config(path)
+    >>> cfg["steps"], cfg["schedule"], "pipe" in cfg
+    (7, 'gpipe', False)
+    """
+    lines = ["# jpipe train options; `jpipe train --config THIS_FILE` repeats the run"]
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is not None and field.name not in ("out", "progress"):
+            lines.append(f"{field.name} = {_toml_value(value)}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def latest_run(root: str = "runs") -> str:
+    """The most recently modified run folder under ``root`` (the one ``--resume`` continues)."""
+    candidates = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
+    candidates = [d for d in candidates if os.path.exists(os.path.join(d, report.CONFIG))]
+    if not candidates:
+        raise FileNotFoundError(f"no run folder under {root!r} to resume; pass --out RUN_DIR")
+    return max(candidates, key=os.path.getmtime)
+
+
+def _new_run_dir(root: str = "runs") -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(root, stamp), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{stamp}-{n}")
+    return path
+
+
+def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) -> tuple[Any, str, str | None]:
+    """The plan to run, where it came from (``"options"``, ``"planner"`` or ``"fixed"``) and, from
+    the planner, its ranked candidates as text.
+
+    Options override; with none, ``jpipe.plan`` decides when it exists, else :data:`FIXED_PLAN`.
+
+    >>> import jax
+    >>> plan, source, _ = choose_plan(TrainConfig(pipe=2, data=1), None, None, jax.devices())
+    >>> (plan.pipe, plan.data, plan.microbatches, plan.schedule), source
+    ((2, 1, 4, '1f1b'), 'options')
+    """
+    import jpipe
+
+    planner = getattr(jpipe, "plan", None)
+    if not config.plan_given and callable(planner):
+        choice = planner(model, example_batch, devices=list(devices))
+        chosen = getattr(choice, "plan", choice)  # a PlanChoice carries the Plan and the candidates
+        if not isinstance(chosen, jpipe.Plan):
+            raise TypeError(f"jpipe.plan returned {type(chosen).__name__}, expected a jpipe.Plan")
+        table = getattr(choice, "table", None)
+        candidates = table(10) if callable(table) else None
+        if config.remat:
+            chosen = dataclasses.replace(chosen, remat=True)
+        return chosen, "planner", candidates
+    pipe = config.pipe or FIXED_PLAN["pipe"]
+    data = config.data or max(1, 8 // pipe)
+    plan = jpipe.Plan(pipe=pipe, data=data, microbatches=config.microbatches or FIXED_PLAN["microbatches"],
+                      schedule=config.schedule or FIXED_PLAN["schedule"], remat=config.remat,
+                      virtual_stages=config.virtual_stages)
+    return plan, ("options" if config.plan_given else "fixed"), None
+
+
+def _plan_record(plan, source: str, num_layers: int) -> dict[str, Any]:
+    from jpipe import schedules
+
+    table = plan.table()
+    sim = schedules.simulate(table, schedules.Costs(forward=1.0, backward=1.0))
+    return {
+        "source": source,
+        "pipe": plan.pipe,
+        "data": plan.data,
+        "microbatches": plan.microbatches,
+        "schedule": plan.schedule if isinstance(plan.schedule, str) else getattr(plan.schedule, "__name__", "custom"),
+        "virtual_stages": plan.virtual_stages,
+        "remat": plan.remat,
+        "partition": list(plan.stage_partition(num_layers)),
+        "ticks": table.num_ticks,
+        "simulated_bubble": sim.bubble_fraction,
+        "peak_held_microbatches": sim.peak_held.tolist(),
+        "gantt": schedules.ascii_gantt(table) if table.num_ticks <= 60 else None,
+    }
+
+
+def _skip(it: Iterator, n: int) -> Iterator:
+    for _ in range(n):
+        next(it)
+    return it
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    devices: Sequence | None = None,
+    command: str | None = None,
+    log: Callable[..., None] = print,
+) -> dict[str, Any]:
+    """Runs ``config`` and writes its run folder; returns the run's summary (also ``summary.json``).
+
+    With ``resume``, ``config.out`` must be a run folder with a checkpoint: training
+    continues from its last checkpoint with the same step counter and batches, so the
+    loss trajectory is the one the uninterrupted run would have had. ``devices``
+    defaults to the first ``pipe x data`` of ``jax.devices()``.
+    """
+    wall_start = time.perf_counter()
+    config.check()
+    import jax
+    import optax
+
+    import jpipe
+    from jpipe import data as jdata
+    from jpipe import models, schedules
+
+    main_process = jax.process_index() == 0
+    out = config.out or _new_run_dir()
+    config = dataclasses.replace(config, out=out)
+    if resume and not os.path.isdir(out):
+        raise FileNotFoundError(f"cannot resume: run folder {out!r} does not exist")
+    os.makedirs(out, exist_ok=True)
+
+    corpus = jdata.load(config.max_chars)
+    model = models.gpt(corpus.vocab_size, config.seq_len, d_model=config.d_model, num_heads=config.heads,
+                       num_layers=config.layers, framework=config.framework)
+
+    def train_batches() -> Iterator[dict]:
+        return corpus.batches(config.seq_len, config.batch_size, seed=config.seed, split="train")
+
+    example = next(train_batches())
+    available = list(devices) if devices is not None else jax.devices()
+    plan, source, candidates = choose_plan(config, model, example, available)
+    if plan.num_devices > len(available):
+        raise ValueError(f"the plan needs pipe x data = {plan.num_devices} devices but {len(available)} are "
+                         f"available; lower --pipe/--data")
+    per = plan.data * plan.microbatches
+    if config.batch_size % per:
+        raise ValueError(f"--batch-size {config.batch_size} must be a multiple of data x microbatches = "
+                         f"{plan.data} x {plan.microbatches} = {per}")
+    run_devices = available[: plan.num_devices]
+    plan_record = _plan_record(plan, source, config.layers)
+    plan_record["planner_candidates"] = candidates
+
+    if main_process:
+        dump_config(config, os.path.join(out, report.CONFIG))
+        with open(os.path.join(out, report.PLAN), "w") as f:
+            json.dump(plan_record, f, indent=2)
+        try:
+            schedules.gantt_png(plan.table(), os.path.join(out, report.SCHEDULE_PNG))
+        except ImportError as e:
+            log(f"no schedule picture: {e}")
+
+    log(f"run folder: {out}")
+    log(f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes of Python "
+        f"standard-library source ({len(corpus.train_files)} / {len(corpus.heldout_files)} files)")
+    log(f"model: GPT ({config.framework}), {config.layers} layers, d_model {config.d_model}, "
+        f"{config.heads} heads, seq_len {config.seq_len}, byte vocabulary ({corpus.vocab_size})")
+    log(f"plan ({source}): pipe {plan.pipe} x data {plan.data} on {len(run_devices)} "
+        f"{run_devices[0].platform} devices, {plan.microbatches} micro-batches, schedule "
+        f"{plan_record['schedule']!r}{' + remat' if plan.remat else ''}, layers per stage "
+        f"{tuple(plan_record['partition'])}, simulated bubble {plan_record['simulated_bubble']:.1%}; "
+        f"batch {config.batch_size}, adam lr {config.lr:g}")
+
+    optimizer = optax.adam(config.lr)
+    from jpipe.checkpoint import Checkpointer
+
+    checkpoints = Checkpointer(os.path.join(os.path.abspath(out), "checkpoints"),
+                               every=config.checkpoint_every or config.steps + 1,
+                               keep=max(1, config.keep_checkpoints))
+    start_step = 0
+    if resume:
+        start_step = checkpoints.latest_step()
+        if start_step is None:
+            checkpoints.close()
+            raise FileNotFoundError(f"cannot resume: {out!r} has no complete checkpoint")
+        if start_step > config.steps:
+            checkpoints.close()
+            raise ValueError(f"the last checkpoint of {out!r} is at step {start_step}, after --steps "
+                             f"{config.steps}; raise --steps to train further")
+        state = checkpoints.restore(model, plan, optimizer, example, devices=run_devices)
+        if main_process:
+            report.truncate_metrics(out, start_step)
+        log(f"resumed from the checkpoint at step {start_step}")
+    else:
+        state = jpipe.init(model, plan, optimizer, example, rng=jax.random.key(config.seed), devices=run_devices)
+        if main_process and os.path.exists(os.path.join(out, report.METRICS)):
+            os.remove(os.path.join(out, report.METRICS))  # a fresh run into an existing folder
+    num_params = sum(x.size for x in jax.tree.leaves(jpipe.to_sequential(state)))
+    log(f"parameters: {num_params:,}")
+
+    eval_device = run_devices[0]
+    eval_batches = [jax.device_put(b, eval_device) for b in corpus.batches(
+        config.seq_len, config.batch_size, seed=config.seed + 1, split="heldout", num_batches=config.eval_batches)]
+    loss_fn = jax.jit(model.loss_value)
+
+    def heldout_loss() -> float:
+        params = jax.device_put(jpipe.to_sequential(state), eval_device)
+        losses = [loss_fn(params, b) for b in eval_batches]
+        return float(sum(float(x) for x in losses) / len(losses))
+
+    unigram = corpus.unigram_loss()
+    # Closed in the finally clause below; appended to as each step finishes.
+    metrics_file = open(os.path.join(out, report.METRICS), "a") if main_process else None  # noqa: SIM115
+
+    def record(entry: dict[str, Any]) -> None:
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(entry) + "\n")
+            metrics_file.flush()
+
+    if start_step == 0:
+        initial = heldout_loss()
+        record({"step": 0, "heldout_loss": initial})
+        log(f"held-out loss at initialisation: {initial:.4f} (unigram baseline {unigram:.4f}, "
+            f"uniform log 256 = {math.log(256):.4f})")
+
+    tokens_per_step = config.batch_size * config.seq_len
+    batches = _skip(train_batches(), start_step)
+    bar = _progress_bar(config, start_step)
+    say = bar.write if bar is not None else log
+    first_step_s = None
+    window: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
+    recent: list[float] = []  # step times for the bar's tokens/s
+    train_start = time.perf_counter()
+    last_heldout = None
+    try:
+        for step in range(start_step + 1, config.steps + 1):
+            tick = time.perf_counter()
+            state, metrics = jpipe.train_step(state, next(batches))
+            loss = float(metrics["loss"])  # waits for the step
+            seconds = time.perf_counter() - tick
+            compiled = step == start_step + 1
+            if compiled:
+                first_step_s = seconds
+            else:
+                window.append((loss, seconds))
+                recent = (recent + [seconds])[-20:]
+            record({"step": step, "loss": loss, "step_s": seconds,
+                    "tokens_per_s": tokens_per_step / seconds, "elapsed_s": time.perf_counter() - train_start,
+                    **({"compiled": True} if compiled else {})})
+            tokens_per_s = tokens_per_step * len(recent) / sum(recent) if recent else float("nan")
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss:.3f}" + (f", {tokens_per_s:,.0f} tok/s" if recent else ""),
+                                    refresh=False)
+                bar.update(1)
+            if compiled:
+                say(f"step {step:>5}  loss {loss:.4f}  (includes compilation: {seconds:.1f}s)")
+            elif step % config.log_every == 0 or step == config.steps:
+                mean = sum(w[0] for w in window) / len(window)
+                rate = len(window) * tokens_per_step / sum(w[1] for w in window)
+                say(f"step {step:>5}  loss {mean:.4f}  {rate:,.0f} tokens/s")
+                window = []
+            if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
+                last_heldout = heldout_loss()
+                record({"step": step, "heldout_loss": last_heldout})
+                say(f"step {step:>5}  held-out loss {last_heldout:.4f}  (unigram baseline {unigram:.4f})")
+            # Batches are a function of the step, so the step is the whole data position.
+            checkpoints.save(state, force=step == config.steps, extra={"batches_consumed": step})
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        checkpoints.close()
+
+    summary = {
+        "command": command,
+        "steps": config.steps,
+        "steps_run": config.steps - start_step,
+        "resumed_from": start_step if resume else None,
+        "num_params": int(num_params),
+        "tokens_per_step": tokens_per_step,
+        "train_bytes": len(corpus.train),
+        "heldout_bytes": len(corpus.heldout),
+        "unigram_loss": unigram,
+        "unigram_entropy": corpus.unigram_entropy(),
+        "final_heldout_loss": last_heldout,
+        "first_step_s": first_step_s,
+        "train_s": time.perf_counter() - train_start,
+        "devices": f"{len(run_devices)} x {run_devices[0].platform} ({run_devices[0].device_kind})",
+        "versions": f"jpipe {jpipe.__version__}, jax {jax.__version__}, Python {platform.python_version()}",
+    }
+    if main_process:
+        summary["wall_s"] = time.perf_counter() - wall_start
+        with open(os.path.join(out, report.SUMMARY), "w") as f:
+            json.dump(summary, f, indent=2)
+        report.write_report(out)
+    summary["artifacts"] = sorted(os.listdir(out))
+    if last_heldout is not None:
+        verdict = "below" if last_heldout < unigram else "NOT below"
+        log(f"held-out loss {last_heldout:.4f}, {verdict} the unigram baseline {unigram:.4f}; "
+            f"{summary['steps_run']} steps in {summary['train_s']:.1f}s; report: "
+            f"{os.path.join(out, report.REPORT)}")
+    return summary
+
+
+def _progress_bar(config: TrainConfig, start_step: int):
+    show = config.progress if config.progress is not None else sys.stderr.isatty()
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1,
+                desc="train")
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command as typed: ``jpipe`` and the quoted ``argv``."""
+    return " ".join(["jpipe", *map(shlex.quote, argv)])
+
+
+def config_from_mapping(values: Mapping[str, Any]) -> TrainConfig:
+    """A :class:`TrainConfig` from a mapping with exactly its field names (others ignored)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in values.items() if k in names})

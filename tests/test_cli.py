@@ -1,0 +1,168 @@
+"""The ``jpipe`` command line: ``train`` (run folder, resume, config file), ``report``, ``schedule``;
+and the Flax loop examples.
+
+Every training run here is tiny (2 layers, width 16, sequences of 16 bytes) so that compiling
+dominates; the runs share a module-scoped folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jpipe import cli, report
+
+SMALL_CORPUS = 300_000
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--batch-size", "8", "--seq-len", "16", "--pipe", "2", "--data", "2", "--microbatches", "2",
+        "--layers", "2", "--d-model", "16", "--heads", "2", "--log-every", "2", "--eval-every", "2",
+        "--eval-batches", "1", "--max-chars", str(SMALL_CORPUS), "--checkpoint-every", "2", "--no-progress"]
+TINY_TOML = """\
+# the same tiny run as TINY, as a config file (keys mirror the options, - or _)
+batch-size = 8
+seq_len = 16
+pipe = 2
+data = 2
+microbatches = 2
+layers = 2
+d_model = 16
+heads = 2
+log_every = 2
+eval_every = 2
+eval_batches = 1
+max_chars = 300000
+checkpoint_every = 2
+progress = false
+steps = 1
+"""
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    train, _ = report.read_metrics(run_dir)
+    return {r["step"]: r["loss"] for r in train}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> str:
+    """Four uninterrupted steps, checkpoints every two, options from a config file and the command line."""
+    tmp = tmp_path_factory.mktemp("runs")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY_TOML)
+    out = str(tmp / "full")
+    # The config says steps = 1; the command line wins.
+    assert cli.main(["train", "--config", str(config), "--steps", "4", "--out", out]) == 0
+    return out
+
+
+def test_train_writes_every_artifact(full_run, capsys):
+    for name in ("config.toml", "plan.json", "metrics.jsonl", "summary.json", "schedule.png", "loss.png",
+                 "report.md", "checkpoints"):
+        assert os.path.exists(os.path.join(full_run, name)), name
+    for png in ("schedule.png", "loss.png"):
+        with open(os.path.join(full_run, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(int(s) for s in os.listdir(os.path.join(full_run, "checkpoints")) if s.isdigit()) == [2, 4]
+
+    train, heldout = report.read_metrics(full_run)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in train)
+    assert [r["step"] for r in heldout] == [0, 2, 4]
+
+    with open(os.path.join(full_run, "plan.json")) as f:
+        plan = json.load(f)
+    assert (plan["pipe"], plan["data"], plan["microbatches"], plan["schedule"], plan["source"]) == \
+        (2, 2, 2, "1f1b", "options")
+    assert plan["partition"] == [1, 1] and 0 < plan["simulated_bubble"] < 1
+    with open(os.path.join(full_run, "summary.json")) as f:
+        summary = json.load(f)
+    assert 2.5 < summary["unigram_loss"] < 4.0  # the baseline: Python source's byte frequencies
+    assert summary["final_heldout_loss"] == heldout[-1]["heldout_loss"]
+
+    text = Path(full_run, "report.md").read_text()
+    for needle in ("held-out loss, final", "unigram baseline", "![loss curves](loss.png)",
+                   "![schedule](schedule.png)", "pipe 2 x data 2"):
+        assert needle in text, needle
+
+    # jpipe report re-renders the report from the folder's files.
+    os.remove(os.path.join(full_run, "report.md"))
+    os.remove(os.path.join(full_run, "loss.png"))
+    assert cli.main(["report", full_run]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert Path(full_run, "report.md").read_text() == text
+    assert os.path.exists(os.path.join(full_run, "loss.png"))
+
+
+def test_config_file_options_are_saved(full_run):
+    saved = Path(full_run, "config.toml").read_text()
+    assert "steps = 4" in saved and "d_model = 16" in saved and "batch_size = 8" in saved
+    # The saved options are a config file that gives the same run.
+    args = cli._train_args(cli.build_parser(), ["train", "--config", os.path.join(full_run, "config.toml")],
+                           cli.build_parser().parse_args(["train", "--config",
+                                                          os.path.join(full_run, "config.toml")]))
+    assert (args.steps, args.batch_size, args.pipe, args.d_model, args.progress) == (4, 8, 2, 16, None)
+
+
+def test_resume_continues_the_same_step_counter_and_trajectory(full_run, tmp_path, capsys):
+    # The run as if it had stopped after the checkpoint at step 2 (its metrics went on to step 4).
+    out = str(tmp_path / "stopped")
+    shutil.copytree(full_run, out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", out]) == 0
+    assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
+    train, heldout = report.read_metrics(out)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert train[2].get("compiled") and not train[1].get("compiled")  # step 3 ran first after resuming
+    # Same step counter, same batches, same parameters: the uninterrupted run's losses.
+    assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)
+    _, full_heldout = report.read_metrics(full_run)
+    assert [r["heldout_loss"] for r in heldout] == pytest.approx([r["heldout_loss"] for r in full_heldout],
+                                                                  rel=1e-6)
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["resumed_from"] == 2
+    assert sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit()) == [2, 4]
+    with pytest.raises(SystemExit):  # the last checkpoint (4) is past --steps 3
+        cli.main(["train", "--resume", out, "--steps", "3"])
+
+
+def test_train_rejects_bad_options_and_configs(tmp_path, capsys):
+    def fails(argv: list[str], needle: str) -> None:
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert needle in capsys.readouterr().err, needle
+
+    fails(["train", "--batch-size", "6", "--pipe", "2", "--data", "2", "--microbatches", "2",
+           "--max-chars", str(SMALL_CORPUS)], "multiple of data x microbatches")
+    fails(["train", "--schedule", "zigzag", "--steps", "1", "--max-chars", str(SMALL_CORPUS)], "zigzag")
+    fails(["train", "--d-model", "10", "--heads", "4"], "divisible")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("stepz = 3\n")
+    fails(["train", "--config", str(bad)], "unknown key 'stepz'")
+    bad.write_text('steps = "many"\n')
+    fails(["train", "--config", str(bad)], "steps must be an integer")
+    bad.write_text("steps = \n")
+    fails(["train", "--config", str(bad)], "not valid TOML")
+    fails(["train", "--config", str(tmp_path / "missing.toml")], "does not exist")
+    fails(["train", "--resume", str(tmp_path / "nothing")], "no config.toml")
+    fails(["report", str(tmp_path / "nothing")], "does not exist")
+
+
+def test_schedule_show(tmp_path, capsys):
+    png = tmp_path / "g.png"
+    assert cli.main(["schedule", "show", "1f1b", "--pipe", "2", "--microbatches", "3", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "d0 | F0 F1 .  B0 F2 B1 .  B2" in out and "bubble" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        cli.main(["schedule", "show", "zigzag"])
+
+
+@pytest.mark.parametrize("name", ["nnx_loop.py", "linen_loop.py"])
+def test_examples_run(name, capsys):
+    runpy.run_path(os.path.join(ROOT, "examples", name), run_name="__main__")  # each asserts it learned
+    assert "loss" in capsys.readouterr().out
