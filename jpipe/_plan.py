@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jpipe.schedules import Table, get_schedule, validate
 
 ScheduleSpec = str | Callable[[int, int], Table]
+
+if TYPE_CHECKING:
+    from jpipe.averaging import ElasticAveraging
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +27,10 @@ class Plan:
     default an even split; ``remat`` recomputes each stage's forward inside its
     backward so that only stage inputs are held.
 
+    ``pipelines`` > 1 co-locates that many pipelines on the same devices, coupled
+    by elastic ``averaging`` (AvgPipe; see :mod:`jpipe.averaging`); their default
+    schedule is ``"advance-forward"``, otherwise ``"1f1b"``.
+
     >>> plan = Plan(pipe=4, data=2, microbatches=8, partition=(5, 7, 7, 5))
     >>> plan.stage_partition(24)
     (5, 7, 7, 5)
@@ -33,16 +41,20 @@ class Plan:
     pipe: int
     data: int
     microbatches: int
-    schedule: ScheduleSpec = "1f1b"
+    schedule: ScheduleSpec | None = None
     partition: tuple[int, ...] | None = None
     remat: bool = False
     virtual_stages: int = 1
+    pipelines: int = 1
+    averaging: ElasticAveraging | None = None
 
     def __post_init__(self) -> None:
-        for name in ("pipe", "data", "microbatches", "virtual_stages"):
+        for name in ("pipe", "data", "microbatches", "virtual_stages", "pipelines"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be an int >= 1, got {value!r}")
+        if self.schedule is None:
+            object.__setattr__(self, "schedule", "advance-forward" if self.pipelines > 1 else "1f1b")
         if isinstance(self.schedule, str):
             get_schedule(self.schedule)  # raises on unknown names
         elif not callable(self.schedule):
