@@ -20,18 +20,19 @@ function of ``state.step``, or pass it in ``extra``).
 >>> import tempfile, jax, jax.numpy as jnp, optax, jpipe
 >>> from jpipe import models
 >>> from jpipe.checkpoint import Checkpointer
->>> model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=4)
+>>> model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
 >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
->>> state = jpipe.init(model, jpipe.Plan(4, 2, 2), optax.adam(1e-2), batch, rng=jax.random.key(0))
+>>> state = jpipe.init(model, jpipe.Plan(2, 1, 2), optax.adam(1e-2), batch, rng=jax.random.key(0),
+...                    devices=jax.devices()[:2])
 >>> ckpt = Checkpointer(tempfile.mkdtemp(), every=2, keep=2)
->>> for _ in range(4):
+>>> for _ in range(6):
 ...     state, metrics = jpipe.train_step(state, batch)
 ...     _ = ckpt.save(state)
 >>> ckpt.wait(); ckpt.all_steps()
-[2, 4]
->>> again = ckpt.restore(model, jpipe.Plan(2, 4, 1), optax.adam(1e-2), batch)
->>> int(again.step), again.plan.pipe
-(4, 2)
+[4, 6]
+>>> again = ckpt.restore(model, jpipe.Plan(1, 2, 2), optax.adam(1e-2), batch, devices=jax.devices()[:2])
+>>> int(again.step), again.plan.pipe, again.plan.data
+(6, 1, 2)
 >>> ckpt.close()
 """
 

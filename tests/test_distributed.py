@@ -65,6 +65,13 @@ def equality_worker(out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
+def cache_env(tmp_path_factory) -> dict[str, str]:
+    """A compilation cache shared by the launched processes: later launches skip compiling."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "jax-cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+@pytest.fixture(scope="module")
 def reference():
     """The same plan in this one process, on 4 of its devices."""
     model, b0 = _model_and_batch(0)
@@ -77,9 +84,9 @@ def reference():
     return losses, [np.asarray(x) for x in jax.tree.leaves(jpipe.to_sequential(state))]
 
 
-def test_two_processes_equal_one_process(tmp_path, reference):
+def test_two_processes_equal_one_process(tmp_path, reference, cache_env):
     results = distributed.launch_local(equality_worker, num_processes=2, devices_per_process=2, timeout=240,
-                                       args=[str(tmp_path)], check=True)
+                                       args=[str(tmp_path)], check=True, env=cache_env)
     out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
            if line.startswith("RESULT ")]
     assert [o["process"] for o in out] == [0, 1] and all(o["devices"] == 2 for o in out)
@@ -90,13 +97,11 @@ def test_two_processes_equal_one_process(tmp_path, reference):
     # data across processes: each process holds both stages of one replica and half the batch
     assert [o["data"]["stage_processes"] for o in out] == [[0], [1]]
     assert [o["data"]["rows"] for o in out] == [[0, 8], [8, 16]]
-    for across in ("pipe", "data"):
-        for o in out:
-            np.testing.assert_allclose([float.fromhex(h) for h in o[across]["losses"]],
-                                       [float.fromhex(h) for h in losses], rtol=1e-6)
+    for across in ("pipe", "data"):  # identical to the last bit (a sum of two is the same either way round)
+        assert [o[across]["losses"] for o in out] == [losses, losses]
         got = np.load(tmp_path / f"{across}.npz")
         for i, want in enumerate(params):
-            np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(got[f"arr_{i}"], want)
     # the checkpoint both processes wrote reads back in this single process
     from jpipe.checkpoint import Checkpointer
 
@@ -104,7 +109,7 @@ def test_two_processes_equal_one_process(tmp_path, reference):
         assert ckpt.all_steps() == [STEPS]
         saved = jax.tree.leaves(ckpt.restore_params())
     for got, want in zip(saved, params):
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def dying_worker(victim: int) -> None:
@@ -122,11 +127,16 @@ def dying_worker(victim: int) -> None:
         step += 1
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker-dies", "coordinator-dies"])
-def test_one_process_dies_the_other_exits_with_a_clear_error(victim):
+@pytest.mark.parametrize("victim", [
+    1,
+    pytest.param(0, marks=pytest.mark.skipif(not os.environ.get("JPIPE_SLOW_TESTS"),
+                                             reason="set JPIPE_SLOW_TESTS=1: another 2-process run")),
+], ids=["worker-dies", "coordinator-dies"])
+def test_one_process_dies_the_other_exits_with_a_clear_error(victim, cache_env):
     results = distributed.launch_local(dying_worker, num_processes=2, devices_per_process=1, timeout=180,
-                                       args=[victim], grace=90)
+                                       args=[victim], grace=90, env=cache_env)
     dead, survivor = results[victim], results[1 - victim]
+    print(f"victim ended at {dead.elapsed_s:.1f}s, survivor at {survivor.elapsed_s:.1f}s")
     assert "DYING" in dead.output and dead.returncode == -signal.SIGKILL, dead.output[-2000:]
     assert not survivor.killed, "the survivor hung until the launcher killed it:\n" + survivor.output[-3000:]
     assert survivor.returncode != 0
