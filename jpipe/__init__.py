@@ -5,13 +5,27 @@
 '1f1b'
 """
 
-from jpipe import schedules
+from jpipe import averaging, schedules
 from jpipe._mesh import make_mesh
 from jpipe._model import Staged
 from jpipe._plan import Plan
+from jpipe.averaging import ElasticAveraging
 from jpipe._train import TrainState, compiled_memory, init, to_sequential, train_step
 from jpipe.partition import plan
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "Staged", "TrainState", "compiled_memory", "init", "make_mesh", "plan", "schedules", "to_sequential", "train_step"]
+__all__ = [
+    "ElasticAveraging",
+    "Plan",
+    "Staged",
+    "TrainState",
+    "averaging",
+    "compiled_memory",
+    "init",
+    "make_mesh",
+    "plan",
+    "schedules",
+    "to_sequential",
+    "train_step",
+]

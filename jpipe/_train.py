@@ -179,6 +179,11 @@ def init(
         raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
+    if plan.pipelines > 1 or plan.averaging is not None:  # AvgPipe: co-located pipelines
+        from jpipe import averaging
+
+        return averaging.init(model, plan, optimizer, example_batch, rng=rng, params=params,
+                              devices=devices, nan_policy=nan_policy)
     partition = plan.stage_partition(model.num_layers)
     table = plan.table()
     mesh = make_mesh(plan.pipe, plan.data, devices)
@@ -323,8 +328,13 @@ def to_sequential(state: TrainState) -> Params:
     """The parameters in sequential layout: ``{"pre": ..., "layers": [L dicts], "post": ...}``.
 
     Gathered to host-addressable arrays; use them with ``model.loss_value`` on
-    one device, to export, or as ``jpipe.init(..., params=...)``.
+    one device, to export, or as ``jpipe.init(..., params=...)``. For co-located
+    pipelines (``Plan(pipelines=N)``) this is the centre model.
     """
+    if state.plan.pipelines > 1 or state.plan.averaging is not None:
+        from jpipe import averaging
+
+        return averaging.centre(state)
     layout = state.program.layout
     params = state.params
     layers = layout.from_stages(params["stages"])

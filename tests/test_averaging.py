@@ -157,3 +157,16 @@ def test_tuner_picks_the_fastest_measured_candidate_that_fits(monkeypatch):
     assert all(r.measured for r in result.rows)
     assert result.best == max(result.rows, key=lambda r: r.samples_per_s)
     assert "chosen" in str(result)
+
+
+def test_plan_with_pipelines_dispatches_to_avgpipe():
+    """jpipe.init / to_sequential honour Plan(pipelines=N, averaging=...); advance-forward by default."""
+    model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
+    batch = averaging.stack_batches([{"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}] * 2)
+    plan = jpipe.Plan(pipe=2, data=1, microbatches=4, pipelines=2, averaging=jpipe.ElasticAveraging(beta=0.9))
+    assert plan.schedule == "advance-forward"
+    state = jpipe.init(model, plan, optax.sgd(0.1), batch, rng=jax.random.key(0), devices=jax.devices()[:2])
+    state, _ = jpipe.train_step(state, batch)
+    assert len(averaging.replicas(state)) == 2
+    for a, b in zip(jax.tree.leaves(jpipe.to_sequential(state)), jax.tree.leaves(averaging.centre(state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -167,6 +167,7 @@ def init(
     rng: jax.Array | None = None,
     params: Params | None = None,
     devices: Sequence[jax.Device] | None = None,
+    nan_policy: str = "raise",
 ) -> TrainState:
     """A :class:`jpipe.TrainState` for N co-located pipelines coupled by elastic averaging.
 
@@ -215,7 +216,7 @@ def init(
     # jpipe.init sees a plain plan (so that it cannot dispatch back here); the state keeps `plan`.
     bare = {k: v for k, v in (("pipelines", 1), ("averaging", None)) if hasattr(plan, k)}
     state = _jpipe_init(ens, dataclasses.replace(plan, **bare) if bare else plan, full, example_batch,
-                        params=_replicate(params, pipelines), devices=devices)
+                        params=_replicate(params, pipelines), devices=devices, nan_policy=nan_policy)
     if bare:
         state = state.replace(program=dataclasses.replace(state.program, plan=plan))
     # The centre lives where its replicas live: stage stacks over `pipe`, the rest replicated.
