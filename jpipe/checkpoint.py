@@ -225,6 +225,12 @@ class Checkpointer:
         """
         step = self._pick(step)
         meta = self.metadata(step)
+        if getattr(plan, "pipelines", 1) > 1 or meta["plan"].get("pipelines", 1) > 1:
+            # Co-located pipelines (AvgPipe) hold per-replica parameters: lay them out through a
+            # freshly initialised state of the new plan instead of jpipe.init(params=...).
+            fresh = init(model, plan, optimizer, example_batch, rng=jax.random.key(0), devices=devices,
+                         nan_policy=nan_policy)
+            return self.restore_like(fresh, step=step)
         _check_batch(example_batch, plan, "example_batch")
         microbatch = _microbatch(example_batch, plan)
         # What this model and optimizer expect, in the checkpoint's (sequential) layout.
@@ -386,7 +392,8 @@ def _to_checkpoint(state: TrainState) -> tuple[dict, dict]:
         "num_layers": program.model.num_layers,
         "plan": {"pipe": plan.pipe, "data": plan.data, "microbatches": plan.microbatches,
                  "schedule": plan.schedule if isinstance(plan.schedule, str) else repr(plan.schedule),
-                 "partition": list(plan.stage_partition(program.model.num_layers)), "remat": plan.remat},
+                 "partition": [int(n) for n in program.layout.counts.T.reshape(-1)], "remat": plan.remat,
+                 "pipelines": getattr(plan, "pipelines", 1)},
         "params": describe(params, 0),
         "opt_state": describe(opt_entries, len(params)),
     }
