@@ -10,13 +10,14 @@ from jpipe._mesh import make_mesh
 from jpipe._model import Staged
 from jpipe._plan import Plan
 from jpipe.averaging import ElasticAveraging
-from jpipe._train import TrainState, compiled_memory, init, to_sequential, train_step
+from jpipe._train import NonFiniteError, TrainState, compiled_memory, init, to_sequential, train_step
 from jpipe.partition import plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ElasticAveraging",
+    "NonFiniteError",
     "Plan",
     "Staged",
     "TrainState",

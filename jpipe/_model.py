@@ -154,6 +154,10 @@ class Staged:
     # -- the plain sequential model ----------------------------------------------------------
     def init_stacked(self, key: jax.Array, example_batch: PyTree) -> Params:
         """Parameters with the layers stacked on a leading ``num_layers`` axis."""
+        # One compiled program instead of dozens of small eager ones (seconds per model).
+        return jax.jit(self._init_stacked)(key, example_batch)
+
+    def _init_stacked(self, key: jax.Array, example_batch: PyTree) -> Params:
         k_pre, k_layers, k_post = jax.random.split(key, 3)
         pre = self._pre.init(k_pre, example_batch)
         hidden = jax.eval_shape(self._pre.apply, pre, example_batch)
