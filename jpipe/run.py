@@ -279,7 +279,17 @@ def train(
 
     example = next(train_batches())
     available = list(devices) if devices is not None else jax.devices()
-    plan, source, candidates = choose_plan(config, model, example, available)
+    saved_plan = os.path.join(out, report.PLAN)
+    if resume and not config.plan_given and os.path.exists(saved_plan):
+        # Continue on the plan the run had (the planner might choose differently now).
+        with open(saved_plan) as f:
+            rec = json.load(f)
+        plan = jpipe.Plan(pipe=rec["pipe"], data=rec["data"], microbatches=rec["microbatches"],
+                          schedule=rec["schedule"], partition=tuple(rec["partition"]),
+                          remat=config.remat or rec["remat"], virtual_stages=rec.get("virtual_stages", 1))
+        source, candidates = rec["source"], rec.get("planner_candidates")
+    else:
+        plan, source, candidates = choose_plan(config, model, example, available)
     if plan.num_devices > len(available):
         raise ValueError(f"the plan needs pipe x data = {plan.num_devices} devices but {len(available)} are "
                          f"available; lower --pipe/--data")
