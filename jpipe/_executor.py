@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._mesh import DATA, PIPE
 from jpipe._model import Params, PyTree, Staged
-from jpipe.schedules import BACKWARD, FIELDS, FORWARD, WEIGHT, Table
+from jpipe.schedules import BACKWARD, FIELDS, FORWARD, IDLE, WEIGHT, Table
 
 _COL = {name: i for i, name in enumerate(FIELDS)}
 
@@ -153,7 +153,10 @@ class Executor:
         table, layout, model = self.table, self.layout, self.model
         num_dev, num_chunks, M = table.num_devices, table.num_chunks, table.num_microbatches
         hidden = model.hidden_shape(pre_params, example_microbatch)
-        rows = jnp.asarray(table.as_array())  # [T, P, F]
+        rows_np = table.as_array()  # [ticks, lanes, devices, fields]
+        rows = jnp.asarray(rows_np)
+        lane_kinds = [frozenset(np.unique(rows_np[:, lane, :, _COL["kind"]]).tolist())
+                      for lane in range(table.lanes)]
         counts_all = layout.counts
         uneven = bool((counts_all != layout.max_layers).any())
         depths = (table.in_depth, table.res_depth, table.cot_depth)
@@ -187,8 +190,8 @@ class Executor:
                 loss=jnp.zeros((), jnp.float32),
             )
 
-            def tick(carry: _Carry, tick_rows: jax.Array):
-                row = tick_rows[device]
+            def run_lane(carry: _Carry, row: jax.Array, kinds: frozenset[int]):
+                """One lane of a tick: the device's action of this row, and its local writes."""
                 mb, chunk = row[_COL["microbatch"]], row[_COL["chunk"]]
                 in_i = _slot(row[_COL["in_slot"]], depths[0])
                 res_i = _slot(row[_COL["res_slot"]], depths[1])
@@ -263,32 +266,52 @@ class Executor:
                         grad_pre=g_pre if grads_for_weights else nothing.grad_pre)
 
                 split = table.splits_backward
-                branches = [idle] * 4
-                branches[FORWARD] = forward
-                branches[BACKWARD] = functools.partial(backward, grads_for_weights=not split, grads_for_input=True)
-                branches[WEIGHT] = functools.partial(backward, grads_for_weights=True, grads_for_input=False)
-                out = lax.switch(row[_COL["kind"]], branches)
+                actions = {
+                    FORWARD: forward,
+                    BACKWARD: functools.partial(backward, grads_for_weights=not split, grads_for_input=True),
+                    WEIGHT: functools.partial(backward, grads_for_weights=True, grads_for_input=False),
+                }
+                # Only the kinds this lane ever runs are compiled: kind code -> branch index.
+                present = sorted(kinds - {IDLE})
+                branch_of = np.zeros(max(actions) + 1, np.int32)
+                for i, kind in enumerate(present):
+                    branch_of[kind] = i + 1
+                kind = row[_COL["kind"]]
+                out = lax.switch(jnp.asarray(branch_of)[kind], [idle] + [actions[k] for k in present])
+                if FORWARD in kinds:
+                    is_fwd = kind == FORWARD
+                    # The last stage's F stores its loss gradient; other writes go to the trash slot.
+                    cot_w = jnp.where(is_fwd & last, cot_i, depths[2])
+                    carry = carry._replace(
+                        cotangents=_set(carry.cotangents, cot_w, out.loss_grad),
+                        # a two-way cond writes in place; a write to the trash slot would cost a copy
+                        residuals=[lax.cond(is_fwd, lambda b, r: _set(b, res_i, r), lambda b, r: b, b, r)
+                                   for b, r in zip(carry.residuals, out.residuals)],
+                        grad_post=jax.tree.map(jnp.add, carry.grad_post, out.grad_post),
+                        loss=carry.loss + out.loss)
+                if kinds & {BACKWARD, WEIGHT}:
+                    carry = carry._replace(
+                        grad_stages=jax.tree.map(lambda acc, g: _set(acc, chunk, acc[chunk] + g),
+                                                 carry.grad_stages, out.grad_chunk),
+                        grad_pre=jax.tree.map(jnp.add, carry.grad_pre, out.grad_pre))
+                return carry, out
+
+            def tick(carry: _Carry, tick_rows: jax.Array):
+                outs = []
+                for lane in range(table.lanes):  # a device runs its lanes one after the other
+                    carry, out = run_lane(carry, tick_rows[lane, device], lane_kinds[lane])
+                    outs.append((lane_kinds[lane], out))
+                send_act = sum((o.send_act for k, o in outs if FORWARD in k), zeros_h)
+                send_cot = sum((o.send_cot for k, o in outs if BACKWARD in k), zeros_h)
                 if fwd_perm:  # every device takes part in both collectives on every tick
-                    recv_act = lax.ppermute(out.send_act, PIPE, fwd_perm)
-                    recv_cot = lax.ppermute(out.send_cot, PIPE, bwd_perm)
+                    recv_act = lax.ppermute(send_act, PIPE, fwd_perm)
+                    recv_cot = lax.ppermute(send_cot, PIPE, bwd_perm)
                 else:
-                    recv_act, recv_cot = out.send_act, out.send_cot
-                is_fwd = row[_COL["kind"]] == FORWARD
-                # Writes the table does not want go to the trash slot at index `depth`.
-                cot_w = jnp.where(is_fwd & last, cot_i, depths[2])  # F of the last stage stores its loss gradient
-                cotangents = _set(carry.cotangents, cot_w, out.loss_grad)
-                carry = _Carry(
+                    recv_act, recv_cot = send_act, send_cot
+                row = tick_rows[table.lanes - 1, device]  # arrivals are stored per the tick's last row
+                carry = carry._replace(
                     inputs=_set(carry.inputs, _slot(row[_COL["recv_in_slot"]], depths[0]), recv_act),
-                    # a two-way cond writes in place; a write to the trash slot would cost a copy
-                    residuals=[lax.cond(is_fwd, lambda b, r: _set(b, res_i, r), lambda b, r: b, b, r)
-                               for b, r in zip(carry.residuals, out.residuals)],
-                    cotangents=_set(cotangents, _slot(row[_COL["recv_cot_slot"]], depths[2]), recv_cot),
-                    grad_stages=jax.tree.map(lambda acc, g: _set(acc, chunk, acc[chunk] + g),
-                                             carry.grad_stages, out.grad_chunk),
-                    grad_pre=jax.tree.map(jnp.add, carry.grad_pre, out.grad_pre),
-                    grad_post=jax.tree.map(jnp.add, carry.grad_post, out.grad_post),
-                    loss=carry.loss + out.loss,
-                )
+                    cotangents=_set(carry.cotangents, _slot(row[_COL["recv_cot_slot"]], depths[2]), recv_cot))
                 return carry, None
 
             carry, _ = lax.scan(tick, carry, rows)

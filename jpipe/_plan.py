@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from jpipe.schedules import Table, get_schedule, validate
+from jpipe.schedules import Table, fuse_ticks, get_schedule, validate
 
 ScheduleSpec = str | Callable[[int, int], Table]
 
@@ -26,6 +26,11 @@ class Plan:
     ``partition`` gives the layers of each (virtual) stage, uneven allowed,
     default an even split; ``remat`` recomputes each stage's forward inside its
     backward so that only stage inputs are held.
+
+    ``fuse_ticks=True`` gives each lock-step tick two lanes, one forward and one
+    backward per device (:func:`jpipe.schedules.fuse_ticks`): fewer, fuller
+    ticks, for up to one more held micro-batch per device; pair it with
+    ``schedule="1f1b-b"`` (enough forwards in flight to keep fused ticks full).
 
     ``pipelines`` > 1 co-locates that many pipelines on the same devices, coupled
     by elastic ``averaging`` (AvgPipe; see :mod:`jpipe.averaging`); their default
@@ -47,6 +52,7 @@ class Plan:
     virtual_stages: int = 1
     pipelines: int = 1
     averaging: ElasticAveraging | None = None
+    fuse_ticks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pipe", "data", "microbatches", "virtual_stages", "pipelines"):
@@ -63,6 +69,8 @@ class Plan:
                 f"Table, got {self.schedule!r}")
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(int(n) for n in self.partition))
+        if not isinstance(self.fuse_ticks, bool):
+            raise ValueError(f"Plan.fuse_ticks must be True or False, got {self.fuse_ticks!r}")
 
     @property
     def num_devices(self) -> int:
@@ -113,4 +121,4 @@ class Plan:
                 f"schedule returned a table for {got[0]} devices, {got[1]} micro-batches and {got[2]} "
                 f"chunks per device; the plan has pipe={want[0]}, microbatches={want[1]}, "
                 f"virtual_stages={want[2]}")
-        return validate(table)
+        return validate(fuse_ticks(table) if self.fuse_ticks else table)

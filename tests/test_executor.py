@@ -167,6 +167,18 @@ def test_every_registered_schedule_is_exact(name, pipe, microbatches, chunks):
     assert_step_matches_sequential(make_model("nnx"), plan, make_batch(2 * (8 // pipe) * microbatches))
 
 
+@pytest.mark.parametrize("name,pipe,microbatches,chunks,remat", [
+    ("1f1b-b", 4, 9, 1, False), ("1f1b", 2, 2, 1, True), ("zb-h1", 4, 4, 1, False),
+    ("interleaved-1f1b", 2, 5, 2, False), ("gpipe", 4, 5, 1, True),
+])
+def test_fused_ticks_are_exact(name, pipe, microbatches, chunks, remat):
+    """Two lanes per tick (one forward, one backward) give the same loss and gradients."""
+    plan = jpipe.Plan(pipe, 8 // pipe, microbatches, schedule=name, virtual_stages=chunks, remat=remat,
+                      fuse_ticks=True)
+    assert plan.table().lanes == 2
+    assert_step_matches_sequential(make_model("nnx"), plan, make_batch(2 * (8 // pipe) * microbatches))
+
+
 def split_backward(table: jpipe.schedules.Table, defer: bool) -> jpipe.schedules.Table:
     """The same order with each backward split into B then W (right after it, or all at the end)."""
     S = jpipe.schedules

@@ -27,6 +27,7 @@ from jpipe.schedules import (
     Table,
     ascii_gantt,
     early_backward,
+    fuse_ticks,
     get_schedule,
     gpipe,
     one_f_one_b,
@@ -322,7 +323,7 @@ def test_get_schedule() -> None:
 
 def test_table_structure() -> None:
     """Idle cells carry no slots; stage 0 reads the batch; as_array stacks FIELDS in order."""
-    for table in (one_f_one_b(4, 8), gpipe(3, 4), one_f_one_b_policy_b(4, 6)):
+    for table in (one_f_one_b(4, 8), gpipe(3, 4), one_f_one_b_policy_b(4, 6), fuse_ticks(one_f_one_b(4, 8))):
         idle = table.kind == IDLE
         for field in ("in_slot", "res_slot", "cot_slot"):
             assert (getattr(table, field)[idle] == NO_SLOT).all(), field
@@ -333,9 +334,10 @@ def test_table_structure() -> None:
         assert (table.cot_slot[:, :-1][fwd[:, :-1]] == NO_SLOT).all()  # only the last stage's F writes cot
         assert (table.cot_slot[:, -1][fwd[:, -1]] != NO_SLOT).all()
         arr = table.as_array()
-        assert arr.shape == (table.num_ticks, table.num_devices, len(FIELDS)) and arr.dtype == np.int32
+        assert arr.shape == (table.num_ticks, table.lanes, table.num_devices, len(FIELDS))
+        assert arr.dtype == np.int32 and table.num_rows == table.num_ticks * table.lanes
         for i, field in enumerate(FIELDS):
-            np.testing.assert_array_equal(arr[..., i], getattr(table, field))
+            np.testing.assert_array_equal(arr[..., i].reshape(table.num_rows, -1), getattr(table, field))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,3 +700,82 @@ def test_ascii_gantt_chunks() -> None:
 
 def test_table_repr() -> None:
     assert repr(gpipe(2, 3)) == "Table('gpipe', devices=2, chunks=1, microbatches=3, ticks=8)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused ticks: one forward and one backward per device per tick
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("P,M", [(1, 3), (2, 2), (3, 7), (4, 8), (4, 9)])
+def test_fused_tables_validate_and_keep_each_devices_actions(name: str, P: int, M: int) -> None:
+    table = get_schedule(name)(P, M)
+    fused = validate(fuse_ticks(table))
+    assert fused.lanes == 2 and fused.num_rows == 2 * fused.num_ticks
+    assert fused.num_ticks <= table.num_ticks
+    kinds = fused.as_array()[..., FIELDS.index("kind")]  # [ticks, lanes, devices]
+    assert set(np.unique(kinds[:, 0])) <= {IDLE, FORWARD}  # lane 0: forwards only
+    assert FORWARD not in set(np.unique(kinds[:, 1]))  # lane 1: B and W
+    for mine, theirs in zip(fused.orders(), table.orders()):
+        assert sorted(mine) == sorted(theirs)
+    # At most one more micro-batch in flight: a tick's forward runs before its backward frees a slot.
+    assert (fused.held_microbatches() <= table.held_microbatches() + 1).all()
+    assert fuse_ticks(fused) is fused
+
+
+@pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_fused_policy_b_reaches_the_asynchronous_makespan(P: int, M: int) -> None:
+    """With B = 2F, one-action ticks cost 1F1B max(F, B) per action; fused 1f1b-b costs nothing extra."""
+    from jpipe.schedules import Costs, simulate
+
+    costs = Costs(forward=1.0, backward=2.0)
+    plain, fused = one_f_one_b(P, M), fuse_ticks(one_f_one_b_policy_b(P, M))
+    ideal = simulate(plain, costs, mode="async").makespan
+    assert ideal == 3 * M + 3 * (P - 1)  # M (F + B) on one device plus the fill and drain
+    assert simulate(fused, costs).makespan == ideal
+    assert simulate(plain, costs).makespan > ideal  # one-action ticks pay for mixing F and B
+    assert fused.num_ticks == M + 2 * (P - 1)
+    assert fused.held_microbatches().tolist() == [min(2 * (P - s) - 1, M) for s in range(P)]
+
+
+def test_fused_tick_lasts_as_long_as_its_busiest_device() -> None:
+    from jpipe.schedules import Costs, simulate
+
+    # d1 runs F0 and B0 in one tick (its own loss gradient): that tick costs F + B = 3.
+    fused = table_from_orders([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 1), Action("B", 0, 1)]],
+                              1, lanes=2)
+    assert fused.num_ticks == 3
+    r = simulate(fused, Costs(forward=1.0, backward=2.0))
+    assert r.makespan == 1 + 3 + 2
+    assert r.start[Action("B", 0, 1)] == 2.0  # after F0 on the same device, within the tick
+    assert ascii_gantt(fused).splitlines()[1:] == ["d0 | F0 .  .", "   | .  .  B0", "d1 | .  F0 .", "   | .  B0 ."]
+
+
+def test_fused_validator_rejects_two_sends_and_early_arrivals() -> None:
+    fused = fuse_ticks(one_f_one_b(2, 4))
+    # Move tick 2's lane-1 action of device 0 into an arrival slot on lane 0: arrivals belong to the last lane.
+    bad = dataclasses.replace(fused, recv_in_slot=fused.recv_in_slot.copy())
+    t = next(r for r in range(1, fused.num_rows, 2) if fused.recv_in_slot[r, 1] != NO_SLOT)
+    bad.recv_in_slot[t - 1, 1], bad.recv_in_slot[t, 1] = bad.recv_in_slot[t, 1], NO_SLOT
+    with pytest.raises(ScheduleError, match="last lane"):
+        validate(bad)
+    with pytest.raises(ScheduleError, match="lanes must be 1"):
+        table_from_orders(one_f_one_b(2, 2).orders(), 2, lanes=3)
+    # Two forwards in one tick would send two activations over one link.
+    two = dataclasses.replace(fused, kind=fused.kind.copy(), microbatch=fused.microbatch.copy())
+    r0 = next(r for r in range(0, fused.num_rows, 2) if fused.kind[r, 0] == FORWARD and fused.kind[r + 1, 0] == IDLE)
+    two.kind[r0 + 1, 0] = FORWARD
+    with pytest.raises(ScheduleError):
+        validate(two)
+
+
+def test_fused_repr_and_plan() -> None:
+    import jpipe
+
+    assert repr(fuse_ticks(gpipe(2, 3))) == "Table('gpipe', devices=2, chunks=1, microbatches=3, ticks=7, lanes=2)"
+    plan = jpipe.Plan(4, 2, 8, schedule="1f1b-b", fuse_ticks=True)
+    assert plan.table().lanes == 2 and plan.table().num_ticks == 14
+    assert jpipe.Plan(4, 2, 8).table().lanes == 1
+    with pytest.raises(ValueError, match="fuse_ticks"):
+        jpipe.Plan(4, 2, 8, fuse_ticks=1)

@@ -33,6 +33,7 @@ from jpipe.schedules._table import (
     Action,
     ScheduleError,
     Table,
+    fuse_ticks,
     table_from_orders,
 )
 from jpipe.schedules._validate import validate
@@ -42,5 +43,5 @@ __all__ = [
     "Table", "advance_forward", "ascii_gantt", "early_backward", "get_schedule", "gpipe", "one_f_one_b",
     "one_f_one_b_policy_b", "simulate", "table_from_orders", "validate",
     "interleaved_1f1b", "zb_h1", "zb_h2", "zero_bubble",
-    "format_orders", "gantt_png", "load_table", "main_show", "read_orders",
+    "format_orders", "fuse_ticks", "gantt_png", "load_table", "main_show", "read_orders",
 ]

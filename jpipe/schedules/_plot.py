@@ -70,11 +70,12 @@ def gantt_png(
     P, v = table.num_devices, table.num_chunks
     if costs is None:
         spans = {}
-        for t in range(table.num_ticks):
+        for r in range(table.num_rows):  # lane l of tick t fills the l-th part of the tick
+            t, lane = divmod(r, table.lanes)
             for d in range(P):
-                a = table.action(t, d)
+                a = table.action(r, d)
                 if a is not None:
-                    spans[a] = (float(t), float(t + 1))
+                    spans[a] = (t + lane / table.lanes, t + (lane + 1) / table.lanes)
         makespan, xlabel = float(table.num_ticks), "tick"
         subtitle = f"{table.num_ticks} ticks"
     else:

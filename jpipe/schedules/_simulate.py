@@ -7,7 +7,9 @@ Two timing models, both driven by the same :class:`~jpipe.schedules.Table`:
     and ends when its slowest action has finished and the tick's activations and
     cotangents have moved one hop (``comm`` seconds, charged to every tick when
     there is more than one device). A device whose action is shorter than the
-    tick's slowest one waits.
+    tick's slowest one waits. In a two-lane table (:func:`~jpipe.schedules.fuse_ticks`)
+    a device runs its forward and then its backward within the tick, and the
+    tick lasts as long as the busiest device's sum.
 ``"async"``
     What an MPMD runtime (one program per device, point-to-point sends) does:
     each device runs its actions in the table's order, each as soon as the
@@ -149,12 +151,15 @@ def _lockstep(table: Table, dur: dict[str, np.ndarray], comm: float):
     for t in range(table.num_ticks):
         longest = 0.0
         for d in range(table.num_devices):
-            a = table.action(t, d)
-            if a is None:
-                continue
-            c = float(dur[a.kind][a.stage])
-            start[a], end[a] = now, now + c
-            longest = max(longest, c)
+            at = now  # a device runs its lanes one after the other
+            for r in range(t * table.lanes, (t + 1) * table.lanes):
+                a = table.action(r, d)
+                if a is None:
+                    continue
+                c = float(dur[a.kind][a.stage])
+                start[a], end[a] = at, at + c
+                at += c
+            longest = max(longest, at - now)
         now += longest + hop
     return now, start, end
 

@@ -6,6 +6,14 @@ the way one SPMD program executes them: in tick ``t`` every device runs at most
 one action, then activations move one device forward and cotangents one device
 back, arriving for tick ``t + 1`` -- and assigns buffer slots from liveness.
 
+With ``lanes=2`` (:func:`fuse_ticks`) a tick has two lanes that run one after
+the other on each device before the tick's communication: lane 0 may run one
+forward and lane 1 one backward (``B`` or ``W``). Steady-state 1F1B then costs
+``F + B`` per tick instead of ``2 max(F, B)``, and the tick count roughly
+halves; a device may hold one more micro-batch (the forward of a tick runs
+before the backward that frees a slot). Row ``t * lanes + l`` of the arrays is
+lane ``l`` of tick ``t``.
+
 The resulting :class:`Table` is plain data (numpy arrays, no JAX): the executor
 interprets it, the validator checks it, the simulator times it and the
 renderers draw it.
@@ -37,8 +45,8 @@ FIELDS = (
     "in_slot",  # input buffer slot the action reads (NO_SLOT: reads the batch)
     "res_slot",  # residual slot F writes and B (and W) read (stash of the forward)
     "cot_slot",  # cotangent slot B (and W) read; F of the last stage writes its loss gradient here
-    "recv_in_slot",  # where the activation arriving at the end of this tick is stored
-    "recv_cot_slot",  # where the cotangent arriving at the end of this tick is stored
+    "recv_in_slot",  # where the activation arriving at the end of this tick is stored (last lane's row)
+    "recv_cot_slot",  # where the cotangent arriving at the end of this tick is stored (last lane's row)
 )
 
 
@@ -67,10 +75,12 @@ class ScheduleError(ValueError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Table:
-    """A lock-step schedule: ``[tick, device]`` arrays of actions and buffer slots.
+    """A lock-step schedule: ``[row, device]`` arrays of actions and buffer slots.
 
-    Build one with a generator (``jpipe.schedules.one_f_one_b(4, 8)``) or with
-    :func:`table_from_orders`; check one with :func:`jpipe.schedules.validate`.
+    Row ``t * lanes + l`` is lane ``l`` of tick ``t`` (with one lane, rows are
+    ticks). Build one with a generator (``jpipe.schedules.one_f_one_b(4, 8)``)
+    or with :func:`table_from_orders`; check one with
+    :func:`jpipe.schedules.validate`.
     """
 
     name: str
@@ -85,10 +95,17 @@ class Table:
     cot_slot: np.ndarray
     recv_in_slot: np.ndarray
     recv_cot_slot: np.ndarray
+    lanes: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the arrays: ``num_ticks * lanes``."""
+        return int(self.kind.shape[0])
 
     @property
     def num_ticks(self) -> int:
-        return int(self.kind.shape[0])
+        """Lock-step ticks: each ends with one hop of communication in each direction."""
+        return self.num_rows // self.lanes
 
     @property
     def splits_backward(self) -> bool:
@@ -103,17 +120,18 @@ class Table:
     def stage_of(self, device: int, chunk: int) -> int:
         return chunk * self.num_devices + device
 
-    def action(self, tick: int, device: int) -> Action | None:
-        kind = int(self.kind[tick, device])
+    def action(self, row: int, device: int) -> Action | None:
+        """What ``device`` runs in ``row`` (a tick, or lane ``row % lanes`` of tick ``row // lanes``)."""
+        kind = int(self.kind[row, device])
         if kind == IDLE:
             return None
-        stage = self.stage_of(device, int(self.chunk[tick, device]))
-        return Action(KIND_NAMES[kind], int(self.microbatch[tick, device]), stage)
+        stage = self.stage_of(device, int(self.chunk[row, device]))
+        return Action(KIND_NAMES[kind], int(self.microbatch[row, device]), stage)
 
     def orders(self) -> list[list[Action]]:
         """Per-device action lists in execution order (the torch-style view)."""
         return [
-            [a for t in range(self.num_ticks) if (a := self.action(t, d)) is not None]
+            [a for r in range(self.num_rows) if (a := self.action(r, d)) is not None]
             for d in range(self.num_devices)
         ]
 
@@ -140,20 +158,22 @@ class Table:
         done = WEIGHT if self.splits_backward else BACKWARD
         held = np.zeros(self.num_devices, dtype=int)
         live = np.zeros(self.num_devices, dtype=int)
-        for t in range(self.num_ticks):
-            live += self.kind[t] == FORWARD
+        for r in range(self.num_rows):
+            live += self.kind[r] == FORWARD
             held = np.maximum(held, live)
-            live -= self.kind[t] == done
+            live -= self.kind[r] == done
         return held
 
     def as_array(self) -> np.ndarray:
-        """``int32[ticks, devices, len(FIELDS)]``, the form the executor scans over."""
-        return np.stack([getattr(self, f) for f in FIELDS], axis=-1).astype(np.int32)
+        """``int32[ticks, lanes, devices, len(FIELDS)]``, the form the executor scans over."""
+        rows = np.stack([getattr(self, f) for f in FIELDS], axis=-1).astype(np.int32)
+        return rows.reshape(self.num_ticks, self.lanes, self.num_devices, len(FIELDS))
 
     def __repr__(self) -> str:
+        lanes = f", lanes={self.lanes}" if self.lanes > 1 else ""
         return (
             f"Table({self.name!r}, devices={self.num_devices}, chunks={self.num_chunks}, "
-            f"microbatches={self.num_microbatches}, ticks={self.num_ticks})"
+            f"microbatches={self.num_microbatches}, ticks={self.num_ticks}{lanes})"
         )
 
     def __str__(self) -> str:
@@ -176,6 +196,7 @@ def table_from_orders(
     *,
     num_chunks: int = 1,
     name: str = "custom",
+    lanes: int = 1,
 ) -> Table:
     """Times per-device action orders in lock-step and assigns buffer slots.
 
@@ -183,31 +204,47 @@ def table_from_orders(
     which its inputs have arrived. Slots are reused as soon as they are free, so
     buffer depth follows the schedule's liveness, not ``num_microbatches``.
 
+    With ``lanes=2`` a tick runs the longest prefix of a device's remaining
+    order that puts at most one forward in lane 0 and one ``B``/``W`` in lane 1
+    (see :func:`fuse_ticks`).
+
     >>> orders = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 1), Action("B", 0, 1)]]
     >>> table_from_orders(orders, num_microbatches=1).num_ticks
     4
+    >>> table_from_orders(orders, num_microbatches=1, lanes=2).num_ticks  # F0 and B0 share a tick on d1
+    3
     """
     num_devices = len(orders)
     if num_devices < 1:
         raise ScheduleError("a schedule needs at least one device")
+    if lanes not in (1, 2):
+        raise ScheduleError(f"lanes must be 1 (one action per tick) or 2 (one forward and one backward "
+                            f"per tick), got {lanes!r}")
     orders = [[_parse_action(a) for a in order] for order in orders]
     num_stages = num_devices * num_chunks
     _check_orders(orders, num_microbatches, num_chunks)
 
-    ran: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, stage) -> tick
+    def lane_of(a: Action) -> int:
+        return 0 if lanes == 1 or a.kind == "F" else 1
+
+    ran: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, microbatch, stage) -> (tick, lane)
     position = [0] * num_devices
-    rows: list[list[Action | None]] = []
+    ticks: list[list[list[Action | None]]] = []  # [tick][lane][device]
     total = sum(len(o) for o in orders)
     while len(ran) < total:
-        tick = len(rows)
-        row: list[Action | None] = []
+        tick = len(ticks)
+        cells: list[list[Action | None]] = [[None] * num_devices for _ in range(lanes)]
         for d in range(num_devices):
-            a = orders[d][position[d]] if position[d] < len(orders[d]) else None
-            if a is not None and _ready(a, ran, tick, num_stages):
-                row.append(a)
-            else:
-                row.append(None)
-        if all(a is None for a in row):
+            # the longest prefix of the device's order that fits the tick's free lanes
+            while position[d] < len(orders[d]):
+                a = orders[d][position[d]]
+                lane = lane_of(a)
+                if cells[lane][d] is not None or not _ready(a, ran, tick, lane, num_stages):
+                    break
+                cells[lane][d] = a
+                ran[(a.kind, a.microbatch, a.stage)] = (tick, lane)
+                position[d] += 1
+        if all(a is None for lane in cells for a in lane):
             waiting = [
                 f"device {d} waits to run {orders[d][position[d]]} "
                 f"({_missing(orders[d][position[d]], ran, num_stages)})"
@@ -218,12 +255,40 @@ def table_from_orders(
                 f"schedule {name!r} deadlocks at tick {tick}: " + "; ".join(waiting)
                 + ". Reorder the actions so that every dependency runs earlier."
             )
-        for d, a in enumerate(row):
-            if a is not None:
-                ran[(a.kind, a.microbatch, a.stage)] = tick
-                position[d] += 1
-        rows.append(row)
-    return _assign_slots(rows, num_devices, num_chunks, num_microbatches, name)
+        ticks.append(cells)
+    rows = [lane for cells in ticks for lane in cells]
+    return _assign_slots(rows, num_devices, num_chunks, num_microbatches, name, lanes)
+
+
+def fuse_ticks(table: Table) -> Table:
+    """Re-times ``table``'s per-device orders with two lanes per tick: one forward and one backward.
+
+    Under lock-step a one-lane tick lasts as long as its slowest action, so in
+    1F1B's steady state (neighbours running F and B in the same tick) every
+    tick costs ``max(F, B)`` and a micro-batch ``2 max(F, B)``. A fused tick
+    runs a device's next forward and next backward together, costing ``F + B``:
+    fewer, fuller ticks (and half the per-tick communication and overhead) for
+    at most one more held micro-batch per device.
+
+    A fused tick needs more forwards in flight to stay full: the cotangent of a
+    stage's forward comes back ``2(P - 1 - s) + 1`` ticks later, so 1F1B's
+    warm-up of ``P - s`` stalls while DAPPLE's policy B (``2(P - s) - 1``,
+    ``"1f1b-b"``) keeps every fused tick busy and reaches the asynchronous
+    makespan under lock-step.
+
+    >>> from jpipe.schedules import Costs, one_f_one_b, one_f_one_b_policy_b, simulate
+    >>> a, b = one_f_one_b(4, 8), one_f_one_b_policy_b(4, 8)
+    >>> [(t.num_ticks, fuse_ticks(t).num_ticks) for t in (a, b)]
+    [(22, 17), (22, 14)]
+    >>> [simulate(t, Costs(forward=1.0, backward=2.0)).makespan for t in (a, fuse_ticks(b))]
+    [40.0, 33.0]
+    >>> a.held_microbatches().tolist(), fuse_ticks(b).held_microbatches().tolist()
+    ([4, 3, 2, 1], [7, 5, 3, 1])
+    """
+    if table.lanes == 2:
+        return table
+    return table_from_orders(table.orders(), table.num_microbatches, num_chunks=table.num_chunks,
+                             name=table.name, lanes=2)
 
 
 def _check_orders(orders: list[list[Action]], num_microbatches: int, num_chunks: int) -> None:
@@ -273,8 +338,18 @@ def _deps(a: Action, num_stages: int) -> list[tuple[str, int, int]]:
     return deps
 
 
-def _ready(a: Action, ran: dict, tick: int, num_stages: int) -> bool:
-    return all(ran.get(dep, tick) < tick for dep in _deps(a, num_stages))
+def _ready(a: Action, ran: dict, tick: int, lane: int, num_stages: int) -> bool:
+    """Inputs from other stages arrive by the end of an earlier tick; the same stage's earlier
+    actions (F before B, B before W) may also have run in an earlier lane of this tick."""
+    for dep in _deps(a, num_stages):
+        when = ran.get(dep)
+        if when is None:
+            return False
+        if when[0] < tick:
+            continue
+        if not (when[0] == tick and when[1] < lane and dep[2] == a.stage):
+            return False
+    return True
 
 
 def _missing(a: Action, ran: dict, num_stages: int) -> str:
@@ -303,10 +378,11 @@ def _assign_slots(
     num_chunks: int,
     num_microbatches: int,
     name: str,
+    lanes: int = 1,
 ) -> Table:
-    num_ticks = len(rows)
+    num_rows = len(rows)
     num_stages = num_devices * num_chunks
-    shape = (num_ticks, num_devices)
+    shape = (num_rows, num_devices)
     arrays = {f: np.full(shape, NO_SLOT, dtype=np.int32) for f in FIELDS}
     arrays["kind"][:] = IDLE
     arrays["microbatch"][:] = 0
@@ -320,7 +396,11 @@ def _assign_slots(
                 arrays["microbatch"][t, d] = a.microbatch
                 arrays["chunk"][t, d] = a.stage // num_devices
 
-    # Phases order events inside a tick: 2t = compute of tick t, 2t + 1 = arrivals at its end.
+    def arrival_row(row: int) -> int:
+        """What is sent in ``row`` arrives at the end of its tick: the tick's last row."""
+        return row - row % lanes + lanes - 1
+
+    # Phases order events: 2r = compute of row r, 2r + 1 = arrivals at its end (last lane only).
     # A buffer entry is live from the phase it is written to the phase of its last read.
     intervals: list[tuple[float, float, str, int, int]] = []  # (start, end, buffer, mb, stage)
     split = any(kind == "W" for kind, _, _ in when)
@@ -328,12 +408,12 @@ def _assign_slots(
         for k in range(num_stages):
             # b: the last action that reads the stashed state (W when backwards are split)
             f, b = when[("F", mb, k)], when[("W" if split else "B", mb, k)]
-            # recv_*[t, d]: the slot on device d that takes what arrives at the end of tick t.
-            if k > 0:  # the input arrives at the end of the previous stage's forward
-                intervals.append((2 * when[("F", mb, k - 1)] + 1, 2 * b, "in", mb, k))
+            # recv_*[r, d]: the slot on device d that takes what arrives at the end of row r.
+            if k > 0:  # the input arrives at the end of the previous stage's forward's tick
+                intervals.append((2 * arrival_row(when[("F", mb, k - 1)]) + 1, 2 * b, "in", mb, k))
             intervals.append((2 * f, 2 * b, "res", mb, k))
-            if k < num_stages - 1:  # the cotangent arrives at the end of the next stage's B
-                intervals.append((2 * when[("B", mb, k + 1)] + 1, 2 * b, "cot", mb, k))
+            if k < num_stages - 1:  # the cotangent arrives at the end of the next stage's B's tick
+                intervals.append((2 * arrival_row(when[("B", mb, k + 1)]) + 1, 2 * b, "cot", mb, k))
             else:  # the last stage's forward produces the loss gradient itself
                 intervals.append((2 * f, 2 * b, "cot", mb, k))
 
@@ -345,14 +425,14 @@ def _assign_slots(
         readers = [when[(kind, mb, k)] for kind in ("BW" if split else "B")]
         if buf == "in":
             arrays["in_slot"][[f, *readers], d] = slot
-            arrays["recv_in_slot"][when[("F", mb, k - 1)], d] = slot
+            arrays["recv_in_slot"][arrival_row(when[("F", mb, k - 1)]), d] = slot
         elif buf == "res":
             arrays["res_slot"][[f, *readers], d] = slot
         else:
             arrays["cot_slot"][readers, d] = slot
             if k < num_stages - 1:
-                arrays["recv_cot_slot"][when[("B", mb, k + 1)], d] = slot
+                arrays["recv_cot_slot"][arrival_row(when[("B", mb, k + 1)]), d] = slot
             else:
                 arrays["cot_slot"][f, d] = slot
-    return Table(name, num_devices, num_chunks, num_microbatches, **arrays)
+    return Table(name, num_devices, num_chunks, num_microbatches, **arrays, lanes=lanes)
 
