@@ -105,6 +105,10 @@ class Plan:
 
     def table(self) -> Table:
         """The validated schedule table for this plan's devices and micro-batches."""
+        return validate(self._generate_table())
+
+    def _generate_table(self) -> Table:
+        """The table, not yet validated (the planner times thousands of registered ones)."""
         make = get_schedule(self.schedule) if isinstance(self.schedule, str) else self.schedule
         if "num_chunks" in inspect.signature(make).parameters:
             table = make(self.pipe, self.microbatches, num_chunks=self.virtual_stages)
@@ -121,4 +125,4 @@ class Plan:
                 f"schedule returned a table for {got[0]} devices, {got[1]} micro-batches and {got[2]} "
                 f"chunks per device; the plan has pipe={want[0]}, microbatches={want[1]}, "
                 f"virtual_stages={want[2]}")
-        return validate(fuse_ticks(table) if self.fuse_ticks else table)
+        return fuse_ticks(table) if self.fuse_ticks else table

@@ -243,6 +243,23 @@ def test_gpipe_holds_more_than_1f1b_in_predicted_memory():
     assert mem["gpipe"] > mem["1f1b"]
 
 
+def test_search_weighs_fused_ticks_against_their_memory():
+    """With B = 2F, fused 1f1b-b is predicted faster than one-action 1F1B and holds more; the search
+    offers it, and a memory limit between the two falls back to 1F1B."""
+    layer = LayerCost("l", 1e-3, 2e-3, activation_bytes=1e6, param_bytes=1e3, optimizer_bytes=2e3,
+                      residual_bytes=4e6)
+    prof = Profile(layers=(layer,) * 8, microbatch_size=4)
+    plain, fused = (evaluate(prof, Plan(4, 1, 16, schedule=s, fuse_ticks=f), 64)
+                    for s, f in (("1f1b", False), ("1f1b-b", True)))
+    assert fused.step_time < 0.85 * plain.step_time and fused.memory > plain.memory
+    pipelined = [c for c in search(prof, 4, 64).candidates if c.plan.pipe == 4 and c.plan.microbatches == 16]
+    assert any(c.plan.fuse_ticks for c in pipelined)
+    assert "1f1b-b+fused" in search(prof, 4, 64).table()
+    limit = (plain.memory + fused.memory) / 2
+    fitting = [c for c in search(prof, 4, 64, memory_limit=limit).candidates if c.fits and c.plan.pipe == 4]
+    assert fitting and not any(c.plan.fuse_ticks and c.plan.microbatches == 16 for c in fitting)
+
+
 def test_gpt_with_heavy_head_gets_an_uneven_partition():
     """Acceptance: a GPT-like model whose head costs much more than a layer, profiled on 8 CPU devices."""
     import jax

@@ -38,7 +38,7 @@ class PlanChoice(NamedTuple):
 
 def format_candidates(candidates: Sequence[Candidate]) -> str:
     """A text table: rank, pipe x data, micro-batches, schedule, partition, time, bubble, memory."""
-    head = f"{'#':>3} {'pipe':>4} {'data':>4} {'M':>4} {'schedule':<8} {'partition':<22} " \
+    head = f"{'#':>3} {'pipe':>4} {'data':>4} {'M':>4} {'schedule':<12} {'partition':<22} " \
            f"{'step ms':>9} {'bubble':>7} {'MiB/dev':>9} fits"
     rows = [head]
     for i, c in enumerate(candidates, 1):
@@ -46,7 +46,8 @@ def format_candidates(candidates: Sequence[Candidate]) -> str:
         part = ",".join(map(str, p.partition)) if p.partition else "-"
         if len(part) > 22:
             part = part[:19] + "..."
-        rows.append(f"{i:>3} {p.pipe:>4} {p.data:>4} {p.microbatches:>4} {str(p.schedule):<8} {part:<22} "
+        name = str(p.schedule) + ("+fused" if p.fuse_ticks else "")
+        rows.append(f"{i:>3} {p.pipe:>4} {p.data:>4} {p.microbatches:>4} {name:<12} {part:<22} "
                     f"{c.step_time * 1e3:>9.2f} {c.bubble:>7.1%} {c.memory / 2**20:>9.1f} "
                     f"{'yes' if c.fits else 'NO'}")
     return "\n".join(rows)
@@ -155,7 +156,7 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     partition = plan.stage_partition(prof.num_layers)
     layer = prof.layers[0]
     hidden_bytes = layer.activation_bytes
-    table = plan.table()
+    table = plan._generate_table()  # registered generators are validated by the test suite
     fwd, bwd = stage_costs(prof, partition)
     per_tick = 2 * comm.ppermute_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
     sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick), mode="lockstep")
@@ -210,16 +211,19 @@ def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limi
             for schedule in (schedules if pipe > 1 else ("1f1b",)):
                 if schedule == "1f1b-b" and m <= pipe:
                     continue  # identical to 1f1b when every stage warms up with all M
-                plan = Plan(pipe=pipe, data=data, microbatches=m, schedule=schedule,
-                            partition=partition)
-                cand = evaluate(profile, plan, global_batch)
-                fits = memory_limit is None or cand.memory <= memory_limit
-                out.append(cand._replace(fits=fits))
+                # Fused ticks (one F and one B per tick) pay off with policy B's warm-up, which
+                # keeps them full; with 1F1B's they stall (jpipe.schedules.fuse_ticks).
+                for fused in (False, True) if schedule == "1f1b-b" else (False,):
+                    plan = Plan(pipe=pipe, data=data, microbatches=m, schedule=schedule,
+                                partition=partition, fuse_ticks=fused)
+                    cand = evaluate(profile, plan, global_batch)
+                    fits = memory_limit is None or cand.memory <= memory_limit
+                    out.append(cand._replace(fits=fits))
     if not out:
         raise ValueError(f"no plan for {num_devices} devices and a batch of {global_batch}: the batch must "
                          f"be divisible by the data-parallel size; use a batch that is a multiple of "
                          f"{num_devices}")
-    out.sort(key=lambda c: (not c.fits, c.step_time))
+    out.sort(key=lambda c: (not c.fits, c.step_time, c.memory))  # equal time: less memory first
     if not out[0].fits:
         raise ValueError(
             f"no plan fits in {memory_limit / 2**20:.1f} MiB per device (the smallest needs "
