@@ -38,6 +38,9 @@ from typing import Any
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 # Destinations of ``jpipe train`` that are not options of the run (and not config-file keys).
 _NOT_CONFIG = {"command", "run", "config", "resume", "help"}
+# Options of ``jpipe train`` that say where a process runs, not what the run is (not config keys either).
+_LAUNCH = {"coordinator", "num_processes", "process_id", "distributed", "across"}
+_NOT_CONFIG |= _LAUNCH
 
 
 def _add_train(commands) -> argparse.ArgumentParser:
@@ -90,6 +93,23 @@ def _add_train(commands) -> argparse.ArgumentParser:
     add("--max-chars", type=int, default=d.max_chars, help="bytes of standard-library source to use")
     add("--progress", action=argparse.BooleanOptionalAction, default=None,
         help="show a progress bar (default: when stderr is a terminal)")
+    multi = train.add_argument_group(
+        "multi-process runs (jax.distributed)",
+        "Start the same command once per process (host), each with its --process-id, or with "
+        "--distributed under SLURM/Open MPI. Every process needs an explicit plan (--pipe/--data) and "
+        "writes to one run folder (--out, or process 0's runs/<timestamp>) on a file system all of them see; each feeds only its own rows of every batch "
+        "and process 0 writes the run folder. On CPU each process gets pipe x data / N devices.")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                       help="address of process 0 (it listens there); with --num-processes and --process-id")
+    multi.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run")
+    multi.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0 to N-1")
+    multi.add_argument("--distributed", action="store_true",
+                       help="join the run the environment describes: the JPIPE_* variables of "
+                            "jpipe.distributed.launch_local, or a cluster JAX detects (SLURM, Open MPI, "
+                            "TPU pods, ...)")
+    multi.add_argument("--across", choices=("pipe", "data"), default="pipe",
+                       help="which mesh axis crosses processes: pipe (stages on different hosts) or data "
+                            "(replicas on different hosts)")
     train.set_defaults(run=_train)
     return train
 
@@ -292,23 +312,113 @@ def _pick_devices(count: int):
         f"XLA_FLAGS={_DEVICE_FLAG}={count}")
 
 
+def _distributed_request(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``jax.distributed`` arguments the options ask for: ``None`` (one process), ``{}`` (detect) or explicit."""
+    explicit = {"coordinator": args.coordinator, "num_processes": args.num_processes, "process_id": args.process_id}
+    if all(v is None for v in explicit.values()):
+        return {} if args.distributed else None
+    if args.distributed:
+        raise ValueError("give either --distributed (detect the run from the environment) or --coordinator "
+                         "HOST:PORT --num-processes N --process-id I, not both")
+    missing = [f"--{k.replace('_', '-')}" for k, v in explicit.items() if v is None]
+    if missing:
+        raise ValueError(f"a multi-process run needs --coordinator HOST:PORT --num-processes N --process-id I; "
+                         f"missing {' '.join(missing)}")
+    from jpipe import distributed
+
+    distributed.parse_coordinator(args.coordinator)
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be from 0 to --num-processes - 1 = {args.num_processes - 1}, "
+                         f"got {args.process_id}")
+    return explicit
+
+
+def _pick_process_devices(pipe: int, data: int, across: str) -> list:
+    """``pipe x data`` devices, the same number from every process, ordered so that ``across`` crosses them."""
+    import jax
+
+    from jpipe import distributed
+
+    count = jax.process_count()
+    per = pipe * data // count
+    default = jax.devices()
+    for platform in (None, "cpu"):
+        try:
+            devices = default if platform is None else jax.devices(platform)
+        except RuntimeError:
+            continue
+        by_process: dict[int, list] = {}
+        for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+            by_process.setdefault(d.process_index, []).append(d)
+        if len(by_process) == count and all(len(v) >= per for v in by_process.values()):
+            if platform is not None and devices[0].platform != default[0].platform:
+                print(f"the {default[0].platform} backend has fewer than {per} device(s) in some process; "
+                      f"running on CPU devices instead")
+            chosen = [d for p in sorted(by_process) for d in by_process[p][:per]]
+            return distributed.mesh_devices(pipe, data, across, devices=chosen)
+    local = len(jax.local_devices())
+    raise ValueError(
+        f"pipe x data = {pipe * data} devices over {count} processes need {per} per process, but process "
+        f"{jax.process_index()} has {local} {default[0].platform} device(s); lower --pipe/--data, or on CPU "
+        f"set XLA_FLAGS={_DEVICE_FLAG}={per} in every process")
+
+
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from jpipe import run
 
     train = _subparser(parser, "train")
     config = run.config_from_mapping(vars(args))
+    resume = bool(args.resume)
     try:
         config.check()
+        request = _distributed_request(args)
     except ValueError as e:
         train.error(str(e))
-    _force_host_devices(config.num_devices_wanted())  # before JAX creates its runtime
+    if request is None:
+        _force_host_devices(config.num_devices_wanted())  # before JAX creates its runtime
+        try:
+            devices = _pick_devices(config.num_devices_wanted())
+        except ValueError as e:
+            train.error(str(e))
+    else:
+        devices = _join(train, args, config, request, resume)
     try:
-        devices = _pick_devices(config.num_devices_wanted())
-        run.train(config, resume=bool(args.resume), devices=devices,
-                  command=run.command_line(args.argv))
+        run.train(config, resume=resume, devices=devices, command=run.command_line(args.argv))
     except (ValueError, FileNotFoundError) as e:
         train.error(str(e))
     return 0
+
+
+def _join(train: argparse.ArgumentParser, args: argparse.Namespace, config, request: dict[str, Any],
+          resume: bool) -> list:
+    """Joins the ``jax.distributed`` run ``request`` describes; returns the run's devices over all processes."""
+    from jpipe import distributed, run
+
+    shape = run.mesh_shape(config, resume)
+    if shape is None:
+        train.error(run.MULTI_PROCESS_PLAN)
+    pipe, data = shape
+    expected = request.get("num_processes") or distributed.detected_num_processes()
+    if expected is not None:
+        if (pipe * data) % expected:
+            train.error(f"pipe x data = {pipe} x {data} = {pipe * data} devices cannot be split evenly over "
+                        f"{expected} processes; choose --pipe/--data with a product that is a multiple of "
+                        f"{expected}")
+        _force_host_devices((pipe * data) // expected)  # before JAX creates its runtime
+    try:
+        info = distributed.initialize(**request)
+    except (ValueError, RuntimeError) as e:
+        train.error(str(e))
+    if (pipe * data) % info.num_processes:
+        train.error(f"pipe x data = {pipe} x {data} = {pipe * data} devices cannot be split evenly over "
+                    f"{info.num_processes} processes; choose --pipe/--data with a product that is a multiple "
+                    f"of {info.num_processes}")
+    try:
+        return _pick_process_devices(pipe, data, args.across)
+    except ValueError as e:
+        train.error(str(e))
 
 
 def _schedule_show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -135,6 +135,28 @@ def initialize(
     return _info()
 
 
+def detected_num_processes() -> int | None:
+    """How many processes :func:`initialize` without arguments would join, read from the environment
+    before JAX starts (``None`` where only JAX can tell, e.g. on TPU pods).
+
+    ``JPIPE_NUM_PROCESSES`` (:func:`launch_local`), else SLURM's ``SLURM_NTASKS`` or Open MPI's
+    ``OMPI_COMM_WORLD_SIZE`` where JAX would detect that cluster. ``jpipe train`` uses it to give
+    each process its share of CPU devices before JAX creates them.
+    """
+    env = os.environ
+    try:
+        if ENV_COORDINATOR in env:
+            return int(env[ENV_NUM_PROCESSES])
+        slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+        if all(k in env for k in slurm):  # what JAX's SLURM detection needs
+            return int(env["SLURM_NTASKS"])
+        if "OMPI_MCA_orte_hnp_uri" in env and "OMPI_COMM_WORLD_SIZE" in env:  # JAX's Open MPI detection
+            return int(env["OMPI_COMM_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return None
+
+
 def _info() -> ProcessInfo:
     import jax
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -30,7 +31,8 @@ from typing import Any
 
 from jpipe import report
 
-__all__ = ["FIXED_PLAN", "TrainConfig", "choose_plan", "dump_config", "latest_run", "load_config", "train"]
+__all__ = ["FIXED_PLAN", "TrainConfig", "choose_plan", "dump_config", "latest_run", "load_config", "mesh_shape",
+           "train"]
 
 FIXED_PLAN = {"pipe": 4, "data": 2, "microbatches": 4, "schedule": "1f1b"}
 PLAN_KEYS = ("pipe", "data", "microbatches", "schedule")
@@ -180,6 +182,51 @@ def _new_run_dir(root: str = "runs") -> str:
     return path
 
 
+MULTI_PROCESS_PLAN = ("with several processes give the plan explicitly, e.g. --pipe 2 --data 1 (and "
+                      "--microbatches M, --schedule S as you like): the planner times candidates in each "
+                      "process and the processes could choose different plans")
+
+
+def _saved_plan(out: str | None) -> dict | None:
+    path = os.path.join(out, report.PLAN) if out else None
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def mesh_shape(config: TrainConfig, resume: bool = False) -> tuple[int, int] | None:
+    """``(pipe, data)`` of the plan :func:`train` will run, or ``None`` when the planner decides.
+
+    >>> mesh_shape(TrainConfig(pipe=2)), mesh_shape(TrainConfig(pipe=2, data=1)), mesh_shape(TrainConfig())
+    ((2, 4), (2, 1), None)
+    """
+    if not config.plan_given:
+        rec = _saved_plan(config.out) if resume else None
+        return (rec["pipe"], rec["data"]) if rec else None
+    pipe = config.pipe or FIXED_PLAN["pipe"]
+    return pipe, config.data or max(1, 8 // pipe)
+
+
+def _shared_run_dir() -> str:
+    """A new run folder name; in a multi-process run process 0's, so that all write to one folder."""
+    import jax
+
+    if jax.process_count() == 1:
+        return _new_run_dir()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    size = 1024
+    name = _new_run_dir().encode() if jax.process_index() == 0 else b""
+    if len(name) >= size:
+        raise ValueError(f"run folder name {name!r} is too long; pass --out")
+    buf = np.zeros(size, np.uint8)
+    buf[: len(name)] = np.frombuffer(name, np.uint8)
+    buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return bytes(buf[buf != 0]).decode()
+
+
 def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) -> tuple[Any, str, str | None]:
     """The plan to run, where it came from (``"options"``, ``"planner"`` or ``"fixed"``) and, from
     the planner, its ranked candidates as text.
@@ -253,6 +300,13 @@ def train(
     continues from its last checkpoint with the same step counter and batches, so the
     loss trajectory is the one the uninterrupted run would have had. ``devices``
     defaults to the first ``pipe x data`` of ``jax.devices()``.
+
+    Under ``jax.distributed`` (:func:`jpipe.distributed.initialize` first) every process
+    calls it alike with an explicit plan and ``devices`` over all processes (e.g.
+    :func:`jpipe.distributed.mesh_devices`); each process feeds only its own rows of
+    every batch, the held-out loss is computed on the whole mesh, and only process 0
+    writes the run folder's files and prints; all write the checkpoints (orbax). The run
+    folder must be on a file system every process sees.
     """
     wall_start = time.perf_counter()
     config.check()
@@ -264,7 +318,14 @@ def train(
     from jpipe import models, schedules
 
     main_process = jax.process_index() == 0
-    out = config.out or _new_run_dir()
+    multi_process = jax.process_count() > 1
+    if multi_process and mesh_shape(config, resume) is None:
+        raise ValueError(MULTI_PROCESS_PLAN)
+    if not main_process:  # one voice: process 0 prints, the others only fail loudly
+        def log(*args: Any, **kwargs: Any) -> None:
+            pass
+
+    out = config.out or _shared_run_dir()
     config = dataclasses.replace(config, out=out)
     if resume and not os.path.isdir(out):
         raise FileNotFoundError(f"cannot resume: run folder {out!r} does not exist")
@@ -279,11 +340,9 @@ def train(
 
     example = next(train_batches())
     available = list(devices) if devices is not None else jax.devices()
-    saved_plan = os.path.join(out, report.PLAN)
-    if resume and not config.plan_given and os.path.exists(saved_plan):
+    rec = _saved_plan(out) if resume and not config.plan_given else None
+    if rec is not None:
         # Continue on the plan the run had (the planner might choose differently now).
-        with open(saved_plan) as f:
-            rec = json.load(f)
         plan = jpipe.Plan(pipe=rec["pipe"], data=rec["data"], microbatches=rec["microbatches"],
                           schedule=rec["schedule"], partition=tuple(rec["partition"]),
                           remat=config.remat or rec["remat"], virtual_stages=rec.get("virtual_stages", 1))
@@ -297,6 +356,9 @@ def train(
     if config.batch_size % per:
         raise ValueError(f"--batch-size {config.batch_size} must be a multiple of data x microbatches = "
                          f"{plan.data} x {plan.microbatches} = {per}")
+    if multi_process and len(available) != plan.num_devices:
+        raise ValueError(f"with {jax.process_count()} processes give exactly pipe x data = {plan.num_devices} "
+                         f"devices over all processes (jpipe.distributed.mesh_devices), got {len(available)}")
     run_devices = available[: plan.num_devices]
     plan_record = _plan_record(plan, source, config.layers)
     plan_record["planner_candidates"] = candidates
@@ -348,13 +410,50 @@ def train(
     num_params = sum(x.size for x in jax.tree.leaves(jpipe.to_sequential(state)))
     log(f"parameters: {num_params:,}")
 
-    eval_device = run_devices[0]
-    eval_batches = [jax.device_put(b, eval_device) for b in corpus.batches(
-        config.seq_len, config.batch_size, seed=config.seed + 1, split="heldout", num_batches=config.eval_batches)]
-    loss_fn = jax.jit(model.loss_value)
+    heldout = list(corpus.batches(config.seq_len, config.batch_size, seed=config.seed + 1, split="heldout",
+                                  num_batches=config.eval_batches))
+    if multi_process:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from jpipe import distributed
+
+        # No process can gather the parameters onto one of its devices: every device of the mesh
+        # computes the held-out loss on replicated parameters, and every process reads it.
+        replicated = NamedSharding(state.mesh, P())
+        eval_batches = [jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated,
+                                                                            lambda idx, a=a: a[idx]), b)
+                        for b in heldout]
+
+        @functools.partial(jax.jit, out_shardings=replicated)
+        def loss_fn(params, batch):
+            return model.loss_value(jax.lax.with_sharding_constraint(params, replicated), batch)
+
+        def place_params():
+            return jpipe.to_sequential(state)
+
+        rows = distributed.local_rows(state.mesh, config.batch_size)
+
+        def feed(batch: dict) -> dict:  # this process's rows of the global batch
+            return distributed.global_batch(state.mesh, {k: v[rows] for k, v in batch.items()}, config.batch_size)
+
+        stages = sorted({s for s in range(plan.pipe) if any(d.process_index == jax.process_index()
+                                                            for d in state.mesh.devices[s])})
+        print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local "
+              f"device(s), stages {stages}, batch rows {rows.start}:{rows.stop}", flush=True)
+    else:
+        eval_device = run_devices[0]
+        eval_batches = [jax.device_put(b, eval_device) for b in heldout]
+        loss_fn = jax.jit(model.loss_value)
+
+        def place_params():
+            return jax.device_put(jpipe.to_sequential(state), eval_device)
+
+        def feed(batch: dict) -> dict:
+            return batch
 
     def heldout_loss() -> float:
-        params = jax.device_put(jpipe.to_sequential(state), eval_device)
+        params = place_params()
         losses = [loss_fn(params, b) for b in eval_batches]
         return float(sum(float(x) for x in losses) / len(losses))
 
@@ -375,7 +474,7 @@ def train(
 
     tokens_per_step = config.batch_size * config.seq_len
     batches = _skip(train_batches(), start_step)
-    bar = _progress_bar(config, start_step)
+    bar = _progress_bar(config, start_step) if main_process else None
     say = bar.write if bar is not None else log
     first_step_s = None
     window: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
@@ -385,7 +484,7 @@ def train(
     try:
         for step in range(start_step + 1, config.steps + 1):
             tick = time.perf_counter()
-            state, metrics = jpipe.train_step(state, next(batches))
+            state, metrics = jpipe.train_step(state, feed(next(batches)))
             loss = float(metrics["loss"])  # waits for the step
             seconds = time.perf_counter() - tick
             compiled = step == start_step + 1

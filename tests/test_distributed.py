@@ -146,6 +146,93 @@ def test_one_process_dies_the_other_exits_with_a_clear_error(victim, cache_env):
     assert survivor.elapsed_s - dead.elapsed_s < HEARTBEAT_S + 40, (survivor.elapsed_s, dead.elapsed_s)
 
 
+# ---------------------------------------------------------------------------------------------
+# jpipe train as a multi-process run
+
+TINY_RUN = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--microbatches", "2", "--layers", "2",
+            "--d-model", "16", "--heads", "2", "--log-every", "1", "--eval-every", "2", "--eval-batches", "1",
+            "--max-chars", "300000", "--checkpoint-every", "2", "--no-progress"]
+
+
+def cli_worker(out: str, argv: list[str], explicit: bool) -> None:
+    """One process of ``jpipe train``: the run from --coordinator/--num-processes/--process-id, or --distributed."""
+    from jpipe import cli
+
+    if explicit:  # the flags a user types on each host; launch_local's variables only supply the values
+        env = os.environ
+        argv = [*argv, "--coordinator", env[distributed.ENV_COORDINATOR],
+                "--num-processes", env[distributed.ENV_NUM_PROCESSES], "--process-id", env[distributed.ENV_PROCESS_ID]]
+    else:
+        argv = [*argv, "--distributed"]
+    sys.exit(cli.main(["train", *argv, "--out", out]))
+
+
+def _metrics(run_dir: Path) -> tuple[list, list]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return ([(r["step"], r["loss"]) for r in rows if "loss" in r],
+            [(r["step"], r["heldout_loss"]) for r in rows if "heldout_loss" in r])
+
+
+@pytest.mark.parametrize("across, pipe, data, explicit", [
+    ("pipe", 2, 1, True),
+    pytest.param("data", 1, 2, False, marks=pytest.mark.skipif(
+        not os.environ.get("JPIPE_SLOW_TESTS"), reason="set JPIPE_SLOW_TESTS=1: another 2-process run")),
+], ids=["pipe-across-coordinator-flags", "data-across-distributed-flag"])
+def test_jpipe_train_two_processes_equals_one_process(tmp_path, cache_env, across, pipe, data, explicit):
+    from jpipe import cli
+    from jpipe.checkpoint import Checkpointer
+
+    plan = ["--pipe", str(pipe), "--data", str(data)]
+    out = tmp_path / "two"
+    results = distributed.launch_local(cli_worker, num_processes=2, devices_per_process=1, timeout=240,
+                                       args=[str(out), [*TINY_RUN, *plan, "--across", across], explicit],
+                                       check=True, env=cache_env)
+    rows = ["0:8", "0:8"] if across == "pipe" else ["0:4", "4:8"]
+    stages = ["[0]", "[1]"] if across == "pipe" else ["[0]", "[0]"]
+    for r in results:  # each process holds its stage(s) and loads only its own rows of the batch
+        assert f"process {r.process_id} of 2: 1 local device(s), stages {stages[r.process_id]}, " \
+               f"batch rows {rows[r.process_id]}" in r.output, r.output[-2000:]
+    assert "run folder:" in results[0].output and "run folder:" not in results[1].output  # process 0 speaks
+
+    ref = tmp_path / "one"
+    assert cli.main(["train", *TINY_RUN, *plan, "--out", str(ref)]) == 0  # the same run in one process
+    train_two, heldout_two = _metrics(out)
+    train_one, heldout_one = _metrics(ref)
+    assert [s for s, _ in train_two] == [1, 2, 3] and [s for s, _ in heldout_two] == [0, 2, 3]
+    # identical to the last bit: training losses and the held-out loss (computed on the whole mesh)
+    assert [float(x).hex() for _, x in train_two] == [float(x).hex() for _, x in train_one]
+    assert [float(x).hex() for _, x in heldout_two] == [float(x).hex() for _, x in heldout_one]
+    for name in ("config.toml", "plan.json", "summary.json", "report.md"):
+        assert (out / name).exists(), name
+    assert "coordinator" not in (out / "config.toml").read_text()  # not an option of the run
+    saved = json.loads((out / "plan.json").read_text())
+    assert (saved["pipe"], saved["data"], saved["source"]) == (pipe, data, "options")
+    # the checkpoints both processes wrote through orbax hold the single-process run's parameters
+    with Checkpointer(out / "checkpoints") as two, Checkpointer(ref / "checkpoints") as one:
+        assert two.all_steps() == one.all_steps() == [2, 3]
+        for got, want in zip(jax.tree.leaves(two.restore_params()), jax.tree.leaves(one.restore_params())):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_jpipe_train_multi_process_options_are_checked(capsys):
+    from jpipe import cli
+
+    def fails(argv: list[str], needle: str) -> None:
+        with pytest.raises(SystemExit):
+            cli.main(["train", *argv])
+        err = capsys.readouterr().err
+        assert needle in err, err
+
+    join = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
+    fails(["--coordinator", "127.0.0.1:1", "--num-processes", "2"], "missing --process-id")
+    fails(["--pipe", "2", "--coordinator", "127.0.0.1", "--num-processes", "2", "--process-id", "0"],
+          "coordinator must be HOST:PORT")
+    fails(["--pipe", "2", *join[:4], "--process-id", "2"], "--process-id must be from 0 to")
+    fails(["--pipe", "2", *join, "--distributed"], "not both")
+    fails(join, "give the plan explicitly")  # the planner could choose differently in each process
+    fails(["--pipe", "3", "--data", "1", "--microbatches", "2", "--batch-size", "6", *join], "cannot be split evenly over 2 processes")
+
+
 def test_launcher_kills_all_on_timeout_and_returns_outputs(tmp_path):
     script = tmp_path / "sleepy.py"
     script.write_text("import os, time\nprint('up', os.environ['JPIPE_PROCESS_ID'], flush=True)\n"
