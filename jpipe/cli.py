@@ -82,6 +82,8 @@ def _add_train(commands) -> argparse.ArgumentParser:
         help="model chunks per device (for interleaved schedules)")
     add("--remat", action=argparse.BooleanOptionalAction, default=d.remat,
         help="recompute each stage's forward in its backward")
+    add("--fuse-ticks", action=argparse.BooleanOptionalAction, default=d.fuse_ticks,
+        help="one forward and one backward per device per tick (pair with --schedule 1f1b-b)")
     add("--lr", type=float, default=d.lr, help="Adam learning rate")
     add("--seed", type=int, default=d.seed, help="seed of the initial parameters and of the batches")
     add("--log-every", type=int, default=d.log_every, help="print the mean training loss every this many steps")
@@ -125,6 +127,8 @@ def _add_schedule(commands) -> None:
     show.add_argument("--microbatches", type=int, default=8, help="micro-batches")
     show.add_argument("--chunks", type=int, default=None, help="model chunks per device (interleaved schedules)")
     show.add_argument("--png", metavar="FILE", default=None, help="also write the Gantt chart to FILE")
+    show.add_argument("--fused", action="store_true",
+                      help="fused ticks: one forward and one backward per device per tick")
     show.set_defaults(run=_schedule_show)
 
 
@@ -426,7 +430,8 @@ def _schedule_show(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
     options = {} if args.chunks is None else {"num_chunks": args.chunks}
     try:
-        print(schedules.main_show(args.name, args.pipe, args.microbatches, args.png, **options))
+        print(schedules.main_show(args.name, args.pipe, args.microbatches, args.png, fused=args.fused,
+                                  **options))
     except (ValueError, TypeError, schedules.ScheduleError) as e:
         _subparser(_subparser(parser, "schedule"), "show").error(str(e))
     return 0

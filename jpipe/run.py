@@ -61,6 +61,7 @@ class TrainConfig:
     schedule: str | None = None
     virtual_stages: int = 1
     remat: bool = False
+    fuse_ticks: bool = False
     lr: float = 3e-3
     seed: int = 0
     log_every: int = 25
@@ -248,14 +249,15 @@ def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) ->
             raise TypeError(f"jpipe.plan returned {type(chosen).__name__}, expected a jpipe.Plan")
         table = getattr(choice, "table", None)
         candidates = table(10) if callable(table) else None
-        if config.remat:
-            chosen = dataclasses.replace(chosen, remat=True)
+        if config.remat or config.fuse_ticks:
+            chosen = dataclasses.replace(chosen, remat=chosen.remat or config.remat,
+                                         fuse_ticks=chosen.fuse_ticks or config.fuse_ticks)
         return chosen, "planner", candidates
     pipe = config.pipe or FIXED_PLAN["pipe"]
     data = config.data or max(1, 8 // pipe)
     plan = jpipe.Plan(pipe=pipe, data=data, microbatches=config.microbatches or FIXED_PLAN["microbatches"],
                       schedule=config.schedule or FIXED_PLAN["schedule"], remat=config.remat,
-                      virtual_stages=config.virtual_stages)
+                      virtual_stages=config.virtual_stages, fuse_ticks=config.fuse_ticks)
     return plan, ("options" if config.plan_given else "fixed"), None
 
 
@@ -272,6 +274,7 @@ def _plan_record(plan, source: str, num_layers: int) -> dict[str, Any]:
         "schedule": plan.schedule if isinstance(plan.schedule, str) else getattr(plan.schedule, "__name__", "custom"),
         "virtual_stages": plan.virtual_stages,
         "remat": plan.remat,
+        "fuse_ticks": plan.fuse_ticks,
         "partition": list(plan.stage_partition(num_layers)),
         "ticks": table.num_ticks,
         "simulated_bubble": sim.bubble_fraction,
@@ -345,7 +348,8 @@ def train(
         # Continue on the plan the run had (the planner might choose differently now).
         plan = jpipe.Plan(pipe=rec["pipe"], data=rec["data"], microbatches=rec["microbatches"],
                           schedule=rec["schedule"], partition=tuple(rec["partition"]),
-                          remat=config.remat or rec["remat"], virtual_stages=rec.get("virtual_stages", 1))
+                          remat=config.remat or rec["remat"], virtual_stages=rec.get("virtual_stages", 1),
+                          fuse_ticks=rec.get("fuse_ticks", False))
         source, candidates = rec["source"], rec.get("planner_candidates")
     else:
         plan, source, candidates = choose_plan(config, model, example, available)
@@ -379,7 +383,8 @@ def train(
         f"{config.heads} heads, seq_len {config.seq_len}, byte vocabulary ({corpus.vocab_size})")
     log(f"plan ({source}): pipe {plan.pipe} x data {plan.data} on {len(run_devices)} "
         f"{run_devices[0].platform} devices, {plan.microbatches} micro-batches, schedule "
-        f"{plan_record['schedule']!r}{' + remat' if plan.remat else ''}, layers per stage "
+        f"{plan_record['schedule']!r}{' + remat' if plan.remat else ''}"
+        f"{' + fused ticks' if plan.fuse_ticks else ''}, layers per stage "
         f"{tuple(plan_record['partition'])}, simulated bubble {plan_record['simulated_bubble']:.1%}; "
         f"batch {config.batch_size}, adam lr {config.lr:g}")
 

@@ -54,8 +54,9 @@ def full_run(tmp_path_factory) -> str:
     config = tmp / "tiny.toml"
     config.write_text(TINY_TOML)
     out = str(tmp / "full")
-    # The config says steps = 1; the command line wins.
-    assert cli.main(["train", "--config", str(config), "--steps", "4", "--out", out]) == 0
+    # The config says steps = 1; the command line wins. Fused ticks must survive --resume (plan.json).
+    assert cli.main(["train", "--config", str(config), "--steps", "4", "--out", out, "--schedule", "1f1b-b",
+                     "--fuse-ticks"]) == 0
     return out
 
 
@@ -72,11 +73,13 @@ def test_train_writes_every_artifact(full_run, capsys):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in train)
     assert [r["step"] for r in heldout] == [0, 2, 4]
+    with open(os.path.join(full_run, "plan.json")) as f:
+        assert json.load(f)["fuse_ticks"] is True
 
     with open(os.path.join(full_run, "plan.json")) as f:
         plan = json.load(f)
     assert (plan["pipe"], plan["data"], plan["microbatches"], plan["schedule"], plan["source"]) == \
-        (2, 2, 2, "1f1b", "options")
+        (2, 2, 2, "1f1b-b", "options")
     assert plan["partition"] == [1, 1] and 0 < plan["simulated_bubble"] < 1
     with open(os.path.join(full_run, "summary.json")) as f:
         summary = json.load(f)
@@ -158,6 +161,9 @@ def test_schedule_show(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "d0 | F0 F1 .  B0 F2 B1 .  B2" in out and "bubble" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["schedule", "show", "1f1b-b", "--pipe", "2", "--microbatches", "3", "--fused"]) == 0
+    out = capsys.readouterr().out
+    assert "ticks of 2 lanes" in out and "   | " in out
     with pytest.raises(SystemExit):
         cli.main(["schedule", "show", "zigzag"])
 

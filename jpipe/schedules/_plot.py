@@ -134,9 +134,10 @@ def main_show(
     png: str | os.PathLike | None = None,
     *,
     costs: Costs | None = None,
+    fused: bool = False,
     **options,
 ) -> str:
-    """What ``jpipe schedule show NAME --pipe P --microbatches M [--png FILE]`` prints.
+    """What ``jpipe schedule show NAME --pipe P --microbatches M [--png FILE] [--fused]`` prints.
 
     ``name`` is a registered schedule (``jpipe.schedules.SCHEDULES``; extra
     ``options`` such as ``num_chunks=2`` go to its generator) or the path of a
@@ -145,7 +146,9 @@ def main_show(
     the ASCII Gantt chart, then the simulated bubble (lock-step and
     asynchronous) and peak held micro-batches per device under ``costs``
     (default ``F = B = W = 1``: an unsplit backward costs 2). With ``png``,
-    also writes the picture (matplotlib) with the lock-step time axis.
+    also writes the picture (matplotlib) with the lock-step time axis. With
+    ``fused``, the table is re-timed with fused ticks (one forward and one
+    backward per device per tick, :func:`jpipe.schedules.fuse_ticks`).
 
     >>> print(main_show("1f1b", 2, 3))  # doctest: +NORMALIZE_WHITESPACE
     1f1b: 2 devices, 3 micro-batches, 8 ticks
@@ -170,6 +173,10 @@ def main_show(
                 raise ValueError(f"{name} is a schedule for {what}={got}, but {what}={want} was asked for")
     else:
         table = get_schedule(name)(pipe, microbatches, **options)
+    if fused:
+        from jpipe.schedules._table import fuse_ticks
+
+        table = fuse_ticks(table)
     costs = costs if costs is not None else Costs(forward=1.0, backward=1.0, weight=1.0)
     lock, asy = simulate(table, costs), simulate(table, costs, mode="async")
 
