@@ -14,6 +14,14 @@ backward), ``res`` (forward residuals, forward to backward) and ``cot``
 (cotangents, arrival to backward). Weight gradients accumulate in the carry;
 one mean over ``data`` per step.
 
+With ``replicas_over_data`` (co-located pipelines, :mod:`jpipe.averaging`) the
+``data`` axis splits the ensemble's *replica* axis instead of the batch: every
+parameter carries a replica axis (``pre``/``post`` ``[R, ...]``, stage stacks
+``[devices, chunks, layers, R, ...]``) sharded over ``data``, batches are
+``[B, R, ...]`` sharded on their second axis, and each data device computes the
+gradients of its own replicas on their own samples: no mean of gradients over
+``data`` (the loss is still the mean over all replicas).
+
 Without ``remat`` the forward's residuals are kept: ``jax.vjp`` returns an
 object whose ``opaque_residuals`` are the intermediates and whose ``args_res``
 are the primal arguments (weights and stage input). Only the former are
@@ -132,6 +140,7 @@ class Executor:
     layout: Layout
     mesh: Mesh
     remat: bool
+    replicas_over_data: bool = False  # co-located pipelines: `data` splits the replica axis, not B
 
     def stage_forward(self, count: jax.Array | None) -> Callable[[PyTree, jax.Array], jax.Array]:
         """``f(chunk_params [max_layers, ...], x) -> y``: the layers of one chunk."""
@@ -152,6 +161,10 @@ class Executor:
     def build(self, example_microbatch: PyTree, pre_params: Params) -> Callable:
         table, layout, model = self.table, self.layout, self.model
         num_dev, num_chunks, M = table.num_devices, table.num_chunks, table.num_microbatches
+        over_data = self.replicas_over_data
+        if over_data:  # shapes as one data device sees them: its share of the replica axis
+            pre_params = _local_replicas(pre_params, 0, self.mesh.shape[DATA])
+            example_microbatch = _local_replicas(example_microbatch, 1, self.mesh.shape[DATA])
         hidden = model.hidden_shape(pre_params, example_microbatch)
         rows_np = table.as_array()  # [ticks, lanes, devices, fields]
         rows = jnp.asarray(rows_np)
@@ -317,6 +330,16 @@ class Executor:
             carry, _ = lax.scan(tick, carry, rows)
             scale = 1.0 / M
             loss = lax.psum(carry.loss, (PIPE, DATA)) * scale / self.mesh.shape[DATA]
+            if over_data:  # each data device's replicas keep their own gradients
+                # The loss (mean over all replicas) stays one all-reduce over the whole mesh: an
+                # all-reduce over `data` groups alone could be combined by XLA with the elastic
+                # centre's, which would then wait for the pipeline.
+                grads = {
+                    "pre": jax.tree.map(lambda g: lax.psum(g, PIPE) * scale, carry.grad_pre),
+                    "stages": jax.tree.map(lambda g: (g * scale)[None], carry.grad_stages),
+                    "post": jax.tree.map(lambda g: lax.psum(g, PIPE) * scale, carry.grad_post),
+                }
+                return loss, grads
             grads = {
                 "pre": jax.tree.map(lambda g: lax.pmean(lax.psum(g, PIPE) * scale, DATA), carry.grad_pre),
                 "stages": jax.tree.map(lambda g: lax.pmean(g * scale, DATA)[None], carry.grad_stages),
@@ -324,22 +347,47 @@ class Executor:
             }
             return loss, grads
 
-        param_specs = {"pre": P(), "stages": P(PIPE), "post": P()}
+        param_specs = _param_specs(over_data)
         return jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(param_specs, P(DATA)),
+            in_specs=(param_specs, batch_spec(over_data)),
             out_specs=(P(), param_specs),
             check_vma=False,
         )
 
 
-def param_shardings(mesh: Mesh, params: Params) -> Any:
-    """NamedShardings for the pipelined parameter layout: stages over ``pipe``, the rest replicated."""
+def _local_replicas(tree: PyTree, axis: int, data: int) -> PyTree:
+    """Shape structs of ``tree`` with its replica ``axis`` cut to one data device's share."""
+    def local(a):
+        shape = tuple(np.shape(a))
+        if shape[axis] % data:
+            raise ValueError(f"the replica axis ({axis}) of a leaf of shape {shape} is not divisible by "
+                             f"data = {data}")
+        return jax.ShapeDtypeStruct((*shape[:axis], shape[axis] // data, *shape[axis + 1:]), jnp.result_type(a))
+
+    return jax.tree.map(local, tree)
+
+
+def _param_specs(replicas_over_data: bool) -> dict[str, P]:
+    if replicas_over_data:  # the replica axis: 0 of pre/post, 3 of [devices, chunks, layers, R, ...]
+        return {"pre": P(DATA), "stages": P(PIPE, None, None, DATA), "post": P(DATA)}
+    return {"pre": P(), "stages": P(PIPE), "post": P()}
+
+
+def batch_spec(replicas_over_data: bool = False) -> P:
+    """How a global batch is split: over ``data`` on its leading axis, or on its replica axis ``[B, R, ...]``."""
+    return P(None, DATA) if replicas_over_data else P(DATA)
+
+
+def param_shardings(mesh: Mesh, params: Params, replicas_over_data: bool = False) -> Any:
+    """NamedShardings for the pipelined parameter layout: stages over ``pipe``, the rest replicated.
+
+    With ``replicas_over_data`` (co-located pipelines) the replica axis of every
+    parameter is also split over ``data``.
+    """
     from jax.sharding import NamedSharding
 
-    return {
-        "pre": jax.tree.map(lambda _: NamedSharding(mesh, P()), params["pre"]),
-        "stages": jax.tree.map(lambda _: NamedSharding(mesh, P(PIPE)), params["stages"]),
-        "post": jax.tree.map(lambda _: NamedSharding(mesh, P()), params["post"]),
-    }
+    specs = _param_specs(replicas_over_data)
+    return {key: jax.tree.map(lambda _, spec=specs[key]: NamedSharding(mesh, spec), params[key])
+            for key in ("pre", "stages", "post")}

@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._executor import Executor, Layout, param_shardings
+from jpipe._executor import Executor, Layout, batch_spec, param_shardings
 from jpipe._mesh import DATA, PIPE, make_mesh
 from jpipe._model import Params, PyTree, Staged, stack_layers, unstack_layers
 from jpipe._plan import Plan
@@ -81,7 +81,7 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-def _check_batch(batch: PyTree, plan: Plan, what: str = "batch") -> int:
+def _check_batch(batch: PyTree, plan: Plan, what: str = "batch", replicas_over_data: bool = False) -> int:
     leaves = jax.tree.leaves(batch)
     if not leaves:
         raise ValueError(f"{what} is empty; pass a pytree of arrays with the batch on the leading axis")
@@ -91,6 +91,17 @@ def _check_batch(batch: PyTree, plan: Plan, what: str = "batch") -> int:
     if len(sizes) != 1:
         raise ValueError(f"{what} leaves disagree on the leading (batch) size: {sorted(sizes)}")
     (size,) = sizes
+    if replicas_over_data:  # co-located pipelines: [B, R, ...], `data` splits R, micro-batches split B
+        if size % plan.microbatches:
+            raise ValueError(
+                f"{what} has {size} samples per pipeline, not divisible by microbatches = "
+                f"{plan.microbatches}; use a per-pipeline batch size that is a multiple of {plan.microbatches}")
+        replicas = {np.shape(a)[1] if np.ndim(a) > 1 else None for a in leaves}
+        if None in replicas or len(replicas) != 1 or next(iter(replicas)) % plan.data:
+            raise ValueError(
+                f"{what} leaves have replica axes (the second) of sizes {sorted(map(str, replicas))}; they "
+                f"must all be pipelines x data, a multiple of data = {plan.data}")
+        return size
     per = plan.data * plan.microbatches
     if size % per:
         raise ValueError(
@@ -211,10 +222,19 @@ def init(
     return TrainState(step, pipelined, opt_state, program, skipped)
 
 
-def _opt_shardings(optimizer, params, mesh: Mesh):
+def _opt_shardings(optimizer, params, mesh: Mesh, replicas_over_data: bool = False):
     """Optimizer-state leaves shaped like a parameter are sharded like it; the rest replicated."""
     abstract = jax.eval_shape(optimizer.init, params)
     stage_shapes = {p.shape for p in jax.tree.leaves(params["stages"])}
+    if replicas_over_data:  # like param_shardings: the replica axis is split over `data` too
+        edge_shapes = {p.shape for p in jax.tree.leaves((params["pre"], params["post"]))}
+
+        def pick(leaf):
+            if leaf.shape in stage_shapes:
+                return NamedSharding(mesh, P(PIPE, None, None, DATA))
+            return NamedSharding(mesh, P(DATA) if leaf.shape in edge_shapes else P())
+
+        return jax.tree.map(pick, abstract)
 
     def pick(leaf):
         spec = P(PIPE) if leaf.shape in stage_shapes else P()
@@ -228,7 +248,7 @@ def _check_step_batch(state: TrainState, batch: PyTree) -> None:
     if jax.tree.structure(batch) != jax.tree.structure(want):
         raise ValueError(f"batch has structure {jax.tree.structure(batch)}, but the state was "
                          f"initialised with {jax.tree.structure(want)}")
-    size = _check_batch(batch, state.plan)
+    size = _check_batch(batch, state.plan, replicas_over_data=state.program.executor.replicas_over_data)
     want_size = jax.tree.leaves(want)[0].shape[0]
     if size != want_size:  # the executor's buffers are sized by the micro-batch of example_batch
         raise ValueError(f"batch has {size} samples but the state was initialised with an example_batch of "
@@ -250,7 +270,8 @@ def _all_finite(tree: PyTree) -> jax.Array:
 def _train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
     _check_step_batch(state, batch)
     program = state.program
-    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(program.mesh, P(DATA)))
+    over_data = program.executor.replicas_over_data
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(program.mesh, batch_spec(over_data)))
     loss, grads = program.grads(state.params, batch)
     updates, opt_state = program.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -263,7 +284,7 @@ def _train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str,
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         skipped = (jnp.zeros((), jnp.int32) if skipped is None else skipped) + (~finite).astype(jnp.int32)
         metrics.update(finite=finite, skipped_steps=skipped)
-    params = jax.lax.with_sharding_constraint(params, param_shardings(program.mesh, params))
+    params = jax.lax.with_sharding_constraint(params, param_shardings(program.mesh, params, over_data))
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped)
     return new, metrics
 
@@ -304,7 +325,9 @@ class _TrainStep:
         whether the step's loss, gradients and batch were all finite and
         ``metrics["skipped_steps"]`` how many steps had their update left out
         (see ``nan_policy`` in :func:`jpipe.init`). The old state is donated. The
-        batch's leading size must be divisible by data x microbatches.
+        batch's leading size must be divisible by data x microbatches (for
+        co-located pipelines, ``Plan(pipelines=N)``: batches are ``[B, N x data, ...]``
+        with ``B`` divisible by microbatches; see :mod:`jpipe.averaging`).
         """
         if not isinstance(state, TrainState):
             raise TypeError(f"train_step takes a jpipe.TrainState (from jpipe.init) as its first argument, "

@@ -352,7 +352,8 @@ class _Converter:
             for (path, leaf), s in zip(opt, stage)]
         self.opt_paths = [p for p, _ in self.opt_entries]
         self.to_checkpoint = jax.jit(to_checkpoint, out_shardings=replicated)
-        self.place_params = jax.jit(place_params, out_shardings=param_shardings(mesh, state.params))
+        self.place_params = jax.jit(place_params, out_shardings=param_shardings(
+            mesh, state.params, program.executor.replicas_over_data))
         self.place_opt = jax.jit(place_opt, out_shardings=([leaf.sharding for _, leaf in opt], replicated,
                                                            replicated))
 
