@@ -1,9 +1,13 @@
 """AvgPipe sweep: per-device memory and step time for N = 1, 2, 4 co-located pipelines.
 
 For each N, the N-pipeline step (``jpipe.averaging``, advance-forward schedule,
-elastic averaging) on a small GPT with a fixed per-pipeline batch, and next to
-it the synchronous DAPPLE step (1F1B) on the same global batch (N x B) and the
-same number of micro-batches. Reported: per-device temp memory of the
+elastic averaging) on a small GPT with a fixed per-pipeline batch B: N
+pipelines on each data replica's ``pipe`` devices, N x data pipelines in all,
+each on its own B samples (global batch N x data x B, batches laid out
+``[B, N x data, ...]``), coupled only through the elastic centre. Next to it the
+synchronous DAPPLE step (1F1B) on the same global batch (data-parallel over
+``data``: N x B samples per data replica) with the same number of
+micro-batches. Reported: per-device temp memory of the
 compiled step (exact, XLA), step time (the fastest of ``--repeats``: the
 simulated devices share the machine's cores), samples per second.
 
@@ -77,10 +81,11 @@ def main() -> None:
                                     schedules.Costs(forward=1.0, backward=2.0))
            for name in ("advance-forward", "1f1b")}
     print(f"pipe={args.pipe} data={args.data} M={args.microbatches} per-pipeline batch={args.batch} "
+          f"(global batch N x data x {args.batch}) "
           f"GPT d={args.d_model} L={args.layers} T={args.seq_len}; devices: {jax.devices()[0].platform}")
     rows = []
     for n in args.pipelines:
-        per_pipe = [lm_batch(args.batch) for _ in range(n)]
+        per_pipe = [lm_batch(args.batch) for _ in range(n * args.data)]  # N pipelines per data replica
         ens_batch = averaging.stack_batches(per_pipe)
         state = averaging.init(model, plan_avg, optax.adam(1e-3), ens_batch, pipelines=n,
                                rng=jax.random.key(0))
@@ -113,7 +118,7 @@ def main() -> None:
     for n, mem_avg, t_avg, mem_sync, t_sync in rows:
         pred = k * (a + c * n)
         util = (1 - bubble) * (c * n / (a + c * n) if a + c * n > 0 else 0.0)
-        samples = n * args.batch
+        samples = n * args.data * args.batch
         print(f"| {n} | {mem_avg['temp'] / 1e6:.1f} | {t_avg * 1e3:.1f} | {samples / t_avg:.0f} | "
               f"{mem_sync['temp'] / 1e6:.1f} | {t_sync * 1e3:.1f} | {samples / t_sync:.0f} | "
               f"{pred * 1e3:.1f} | {util:.2f} |")

@@ -1,5 +1,7 @@
 """AvgPipe: elastic averaging, co-located pipelines, advance-forward schedule and the (N, M) tuner."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,13 +28,27 @@ def _max_rel(a, b):
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
 
 
+def _global_max(tree):
+    return max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(tree))
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _fresh(state):
+    """A copy of ``state`` to donate to train_step (same program, so no new compilation)."""
+    return jax.tree.map(jnp.copy, state)
+
+
 def test_one_pipeline_without_averaging_is_the_synchronous_step():
     model, batch = _model(), _batch(1)
     params = model.init_params(jax.random.key(0), batch)
-    devices = jax.devices()[:4]
-    sync = jpipe.init(model, jpipe.Plan(pipe=2, data=2, microbatches=2), optax.sgd(0.1), batch,
+    devices = jax.devices()[:2]
+    sync = jpipe.init(model, jpipe.Plan(pipe=2, data=1, microbatches=2), optax.sgd(0.1), batch,
                       params=params, devices=devices)
-    plan = jpipe.Plan(pipe=2, data=2, microbatches=2, schedule="advance-forward")
+    plan = jpipe.Plan(pipe=2, data=1, microbatches=2, schedule="advance-forward")
     ens_batch = averaging.stack_batches([batch])
     avg = averaging.init(model, plan, optax.sgd(0.1), ens_batch, pipelines=1,
                          averaging=averaging.ElasticAveraging(alpha=0.0), params=params, devices=devices)
@@ -57,6 +73,145 @@ def test_one_pipeline_without_averaging_is_the_synchronous_step():
     # The centre lives where its replicas live: stage stacks sharded over `pipe`.
     for leaf in jax.tree.leaves(avg.opt_state[1].centre["stages"]):
         assert leaf.sharding.spec == P("pipe")
+
+
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_pipelines_are_decoupled_across_data(pipelines):
+    """data = 2: N pipelines per data replica, N x 2 in all, each a plain synchronous pipeline on its slice.
+
+    No gradient is mixed across `data` (or across the co-located pipelines); with N = 2 the inner
+    optimizer clips by global norm, which must see each pipeline's own gradients only.
+    """
+    model, data, total = _model(), 2, 2 * pipelines
+    batches = [_batch(10 + r, size=8) for r in range(total)]
+    ens_batch = averaging.stack_batches(batches)
+    params = model.init_params(jax.random.key(0), batches[0])
+    optimizer = optax.sgd(0.1) if pipelines == 1 else optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+    plan = jpipe.Plan(pipe=2, data=data, microbatches=2, pipelines=pipelines,
+                      averaging=averaging.ElasticAveraging(alpha=0.0))
+    avg = jpipe.init(model, plan, optimizer, ens_batch, params=params, devices=jax.devices()[:4])
+    for leaf in jax.tree.leaves(avg.params["stages"]):
+        assert leaf.shape[3] == total and leaf.sharding.spec == P("pipe", None, None, "data")
+    for leaf in jax.tree.leaves((avg.params["pre"], avg.params["post"])):
+        assert leaf.shape[0] == total and leaf.sharding.spec == P("data")
+    sync = jpipe.init(model, jpipe.Plan(pipe=2, data=1, microbatches=2), optimizer, batches[0], params=params,
+                      devices=jax.devices()[:2])
+    sync_grads = jax.jit(sync.program.grads)
+    loss_a, grads_a = jax.jit(avg.program.grads)(avg.params, ens_batch)
+    # The gradients in pipelined layout, read back per replica like the parameters.
+    grads_a = averaging.replicas(avg.replace(params=grads_a))
+    losses = []
+    for r in range(total):
+        loss_s, grads_s = sync_grads(sync.params, batches[r])
+        losses.append(float(loss_s))
+        grads_s = jpipe.to_sequential(sync.replace(params=grads_s))
+        assert _max_diff(grads_a[r], grads_s) <= 1e-5 * _global_max(grads_s), r
+    assert _max_rel(np.mean(losses), loss_a) < 1e-5
+
+    avg, metrics = jpipe.train_step(avg, ens_batch)
+    assert _max_rel(np.mean(losses), metrics["loss"]) < 1e-5
+    reps = averaging.replicas(avg)
+    assert len(reps) == total
+    clipped = 0
+    for r in range(total):
+        expected, _ = jpipe.train_step(_fresh(sync), batches[r])
+        expected = jpipe.to_sequential(expected)
+        update = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), expected, params)
+        # Each replica's update is its own pipeline's synchronous step.
+        assert _max_diff(reps[r], expected) <= 1e-5 * _global_max(update), r
+        clipped += _global_max(update) < 0.1 * _global_max(grads_a[r]) * 0.999
+    if pipelines == 2:
+        assert 0 < clipped  # the test means something: clipping acted on some replica
+    for leaf in jax.tree.leaves(avg.params["stages"]):
+        assert leaf.sharding.spec == P("pipe", None, None, "data")
+
+
+@pytest.mark.parametrize("mode", ["stale", "sync"])
+def test_centre_after_one_step_is_the_formula_over_all_replicas(mode):
+    """alpha > 0, data = 2, N = 2: the centre sums the elastic pulls of all N x data replicas."""
+    model, alpha, lr, total = _model(), 0.2, 0.1, 4
+    batches = [_batch(20 + r, size=8) for r in range(total)]
+    ens_batch = averaging.stack_batches(batches)
+    params = model.init_params(jax.random.key(1), batches[0])
+    plan = jpipe.Plan(pipe=2, data=2, microbatches=2, pipelines=2,
+                      averaging=averaging.ElasticAveraging(alpha=alpha, centre=mode))
+    state = averaging.init(model, plan, optax.sgd(lr), ens_batch, params=params, devices=jax.devices()[:4])
+    # Replicas that differ from each other and from the centre.
+    noise = jax.tree.map(lambda a: 0.05 * jax.random.normal(jax.random.key(a.size), a.shape, a.dtype),
+                         state.params)
+    moved = jax.tree.map(lambda a, b: (a + b).astype(a.dtype), state.params, noise)
+    state = state.replace(params=jax.device_put(moved, jax.tree.map(lambda a: a.sharding, state.params)))
+    x0 = [jax.tree.map(np.asarray, x) for x in averaging.replicas(state)]
+    c0 = jax.tree.map(np.asarray, averaging.centre(state))
+    _, grads = jax.jit(state.program.grads)(state.params, ens_batch)
+    g = [jax.tree.map(np.asarray, x) for x in averaging.replicas(state.replace(params=grads))]
+
+    state, _ = jpipe.train_step(state, ens_batch)
+    # Hand-computed: e_r = alpha (x_r - c) (stale) or alpha (x_r - lr g_r - c) (sync);
+    # x_r <- x_r - lr g_r - e_r; c <- c + sum over all N x data replicas of e_r.
+    pulled = [jax.tree.map(lambda x, gr: x - lr * gr, x, gr) if mode == "sync" else x for x, gr in zip(x0, g)]
+    e = [jax.tree.map(lambda p, c: alpha * (p - c), p, c0) for p in pulled]
+    want_centre = jax.tree.map(lambda c, *es: c + sum(es), c0, *e)
+    scale = _global_max(want_centre)
+    assert _max_diff(averaging.centre(state), want_centre) <= 1e-6 * scale
+    for r, rep in enumerate(averaging.replicas(state)):
+        want = jax.tree.map(lambda x, gr, er: x - lr * gr - er, x0[r], g[r], e[r])
+        assert _max_diff(rep, want) <= 1e-6 * scale, r
+
+
+def _entry_instructions(hlo: str) -> dict[str, str]:
+    """The ENTRY computation of an HLO module's text: instruction name -> the rest of its line."""
+    out = {}
+    for line in hlo[hlo.index("\nENTRY "):].splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+        elif line.startswith("}"):
+            break
+    return out
+
+
+def _ancestors(instrs: dict[str, str], name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for dep in re.findall(r"%([\w.\-]+)", instrs[todo.pop()]):
+            if dep in instrs and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["stale", "sync"])
+def test_stale_centre_all_reduce_does_not_wait_for_the_pipeline(mode):
+    """In the compiled step, the centre's all-reduce over `data` does not depend on the pipeline loop.
+
+    The centre's update sums the pulls of the replicas, which are split over `data`: on each
+    device a partial sum of the centre's shape, all-reduced over `data`. With the stale centre its
+    operands are step-start values only, so it depends on no while loop (the pipeline's scan) and
+    XLA is free to overlap it with the pipeline; with the sync centre it waits for the gradients.
+    """
+    model = _model()
+    ens_batch = averaging.stack_batches([_batch(30), _batch(31)])
+    plan = jpipe.Plan(pipe=2, data=2, microbatches=2, pipelines=1,
+                      averaging=averaging.ElasticAveraging(alpha=0.3, centre=mode))
+    state = averaging.init(model, plan, optax.sgd(0.1), ens_batch, rng=jax.random.key(0),
+                           devices=jax.devices()[:4])
+    centre = jax.tree.leaves(state.opt_state[1].centre)
+    # Local (per-device) shapes as HLO prints them, e.g. f32[1,1,2,16,16] for a stage stack.
+    want = {f"f32[{','.join(map(str, a.sharding.shard_shape(a.shape)))}]" for a in centre}
+    instrs = _entry_instructions(jpipe.train_step.lower(state, ens_batch).compile().as_text())
+    loops = {name for name, rest in instrs.items() if re.search(r"\swhile\(", rest)}
+    assert loops, "no pipeline loop found in the compiled step"
+    found, waiting = set(), set()
+    for name, rest in instrs.items():
+        if re.search(r"\sall-reduce(-start)?\(", rest):
+            head = re.sub(r"\{[\d,]*\}", "", rest.split("all-reduce")[0])  # result shape(s), layouts dropped
+            shapes = set(re.findall(r"[a-z]+\d*\[[\d,]*\]", head)) & want
+            found |= shapes
+            if shapes and _ancestors(instrs, name) & loops:
+                waiting |= shapes
+    assert found == want  # every centre leaf is all-reduced
+    assert waiting == (set() if mode == "stale" else want)
 
 
 def test_identical_replicas_stay_equal_and_the_centre_follows_them():
@@ -119,6 +274,50 @@ def test_clear_errors():
         averaging.ElasticAveraging(centre="fresh")
     with pytest.raises(ValueError, match="needs the replicas"):
         averaging.elastic_averaging(0.1).update(jnp.ones(2), averaging.ElasticState(jnp.int32(0), jnp.zeros(())))
+    # data = 2: N pipelines on each data replica, so the replica axis holds N x data.
+    plan = jpipe.Plan(pipe=2, data=2, microbatches=2, pipelines=2)
+    with pytest.raises(ValueError, match=r"pipelines=2 x data=2 .*\[B, 4, \.\.\.\]"):
+        averaging.init(model, plan, optax.sgd(0.1), averaging.stack_batches([batch] * 2), rng=jax.random.key(0),
+                       devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="not divisible by microbatches"):
+        averaging.init(model, plan, optax.sgd(0.1), averaging.stack_batches([_batch(3, size=3)] * 4),
+                       rng=jax.random.key(0), devices=jax.devices()[:4])
+
+
+def test_per_replica_optimizer_clips_each_replica_on_its_own():
+    """optax.clip_by_global_norm (and a momentum) under per_replica: each replica as if alone."""
+    ks = jax.random.split(jax.random.key(5), 6)
+    # Two replicas in the pipelined layout: pre/post [R, ...], stage stacks [devices, chunks, layers, R, ...].
+    params = {"pre": {"w": jax.random.normal(ks[0], (2, 3))},
+              "stages": {"w": jax.random.normal(ks[1], (2, 1, 2, 2, 4))},
+              "post": {"w": jax.random.normal(ks[2], (2, 5))}}
+    grads = {"pre": {"w": jax.random.normal(ks[3], (2, 3))},
+             "stages": {"w": jax.random.normal(ks[4], (2, 1, 2, 2, 4)).at[:, :, :, 1].multiply(20.0)},
+             "post": {"w": jax.random.normal(ks[5], (2, 5))}}
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    tx = averaging.per_replica(inner, averaging.REPLICA_AXIS)
+    state = tx.init(params)
+    # The momentum keeps the replica axis where the parameters have it (so that it shards like them).
+    assert state[1][0].trace["stages"]["w"].shape == (2, 1, 2, 2, 4)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+
+    def take(tree, r):
+        return {k: jax.tree.map(lambda a, k=k: jnp.take(a, r, axis=averaging.REPLICA_AXIS[k]), v)
+                for k, v in tree.items()}
+
+    for r in range(2):
+        one, g = take(params, r), take(grads, r)
+        s = inner.init(one)
+        for _ in range(2):
+            want, s = inner.update(g, s, one)
+        got = take(updates, r)
+        assert _max_diff(got, want) <= 1e-6 * _global_max(want)
+    # The global norm of all replicas together would clip replica 0 too: make sure that is not what happened.
+    s = inner.init(params)
+    for _ in range(2):
+        together, s = inner.update(grads, s, params)
+    assert _max_diff(together, updates) > 1e-3
 
 
 def test_advance_forward_interpolates_between_1f1b_and_gpipe():

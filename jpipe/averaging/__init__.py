@@ -1,13 +1,16 @@
 """AvgPipe: N co-located pipelines coupled by elastic averaging with a centre model.
 
 * :func:`elastic_averaging` / :class:`ElasticAveraging` -- the EASGD rule as an
-  optax transformation over a replica axis (state :class:`ElasticState`).
+  optax transformation over a replica axis (state :class:`ElasticState`);
+  :func:`per_replica` -- an optimizer applied to each replica on its own.
 * :func:`ensemble` -- a :class:`jpipe.Staged` as N pipelines batched on a
   leading replica axis, which the executor runs unchanged, one batched kernel
   per tick for all N pipelines.
-* :func:`init` -- a :class:`jpipe.TrainState` for N pipelines (use it with
-  :func:`jpipe.train_step` on ``[B, N, ...]`` batches); :func:`centre` (alias
-  :func:`to_sequential`) and :func:`replicas` read the parameters back.
+* :func:`init` -- a :class:`jpipe.TrainState` for N pipelines on each data
+  replica, ``R = N x data`` in all, coupled only through the centre (use it
+  with :func:`jpipe.train_step` on ``[B, R, ...]`` batches: ``R x B`` samples
+  per step); :func:`centre` (alias :func:`to_sequential`) and
+  :func:`replicas` read the parameters back.
 * :func:`tune` -- picks the number of pipelines N and micro-batches M from
   measured throughput and compiled memory, predicting the rest with the
   schedule simulator.
@@ -17,7 +20,7 @@
 0.225
 """
 
-from jpipe.averaging._elastic import ElasticAveraging, ElasticState, elastic_averaging
+from jpipe.averaging._elastic import ElasticAveraging, ElasticState, elastic_averaging, per_replica
 from jpipe.averaging._ensemble import (
     REPLICA_AXIS,
     batch_slice,
@@ -43,6 +46,7 @@ __all__ = [
     "elastic_averaging",
     "ensemble",
     "init",
+    "per_replica",
     "replicas",
     "split_batch",
     "stack_batches",

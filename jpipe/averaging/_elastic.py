@@ -27,10 +27,13 @@ made here:
   waits for the gradients.
 * ``period`` (tau): the elastic step runs on steps ``0, tau, 2 tau, ...``; in
   between the replicas train independently and the centre stays put.
-* Optimizer state: each replica keeps its own inner optimizer state (Adam's
-  moments are per element, so per replica); the elastic pull is added *after*
-  the inner optimizer, so it is a move in parameter space that never enters
-  the moments or any preconditioner. The centre has no optimizer state.
+* Optimizer state: each replica keeps its own inner optimizer state
+  (:func:`per_replica` vmaps the inner optimizer over the replica axis, so
+  that transforms that are not element-wise, such as
+  ``optax.clip_by_global_norm``, see one replica at a time, and counters are
+  per replica); the elastic pull is added *after* the inner optimizer, so it
+  is a move in parameter space that never enters the moments or any
+  preconditioner. The centre has no optimizer state.
 
 >>> import jax.numpy as jnp, optax
 >>> tx = elastic_averaging(alpha=0.25)
@@ -48,6 +51,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PyTree = Any
@@ -64,6 +68,69 @@ class ElasticState(NamedTuple):
 def _axes_tree(replica_axis: int | PyTree, params: PyTree) -> PyTree:
     """``replica_axis`` (an int or a prefix tree of ints) broadcast to every leaf of ``params``."""
     return jax.tree.map(lambda ax, sub: jax.tree.map(lambda _: int(ax), sub), replica_axis, params)
+
+
+def _one_replica(tree: PyTree, axes: PyTree) -> PyTree:
+    """Shape structs of one replica: ``tree`` without its replica axes."""
+    def cut(a, ax):
+        shape = tuple(np.shape(a))
+        return jax.ShapeDtypeStruct((*shape[:ax], *shape[ax + 1:]), jnp.result_type(a))
+
+    return jax.tree.map(cut, tree, axes)
+
+
+def _state_axes(replica_axis: int | PyTree, state: PyTree) -> PyTree:
+    """Where the replica axis goes in each leaf of a per-replica optimizer ``state`` (shape structs).
+
+    A leaf that mirrors a parameter (e.g. Adam's ``mu["stages"][...]``) takes that
+    parameter's axis: the first part of ``replica_axis``'s tree whose key path
+    occurs in the leaf's path. Any other leaf (a step count, a scalar) gets a
+    leading replica axis.
+    """
+    prefixes = [(tuple(map(str, path)), int(ax))
+                for path, ax in jax.tree_util.tree_flatten_with_path(replica_axis)[0]]
+
+    def pick(path, leaf) -> int:
+        keys = tuple(map(str, path))
+        for start in range(len(keys) + 1):
+            for prefix, ax in prefixes:
+                if keys[start:start + len(prefix)] == prefix and ax <= len(leaf.shape):
+                    return ax
+        return 0
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+def per_replica(inner: optax.GradientTransformation, replica_axis: int | PyTree = 0) -> optax.GradientTransformation:
+    """``inner`` applied to each replica on its own: init and update vmapped over ``replica_axis``.
+
+    Element-wise transformations (SGD, Adam) give the same updates either way;
+    those that are not, such as ``optax.clip_by_global_norm``, would otherwise
+    treat the stacked replicas as one model (one global norm for all of them).
+    Each replica also gets its own step count. ``replica_axis`` is as in
+    :func:`elastic_averaging`; optimizer-state leaves that mirror a parameter
+    keep its replica axis where the parameter has it, other leaves get a
+    leading one.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = per_replica(optax.clip_by_global_norm(1.0))
+    >>> grads = jnp.array([[3.0, 4.0], [0.3, 0.4]])    # 2 replicas: norms 5 and 0.5
+    >>> updates, _ = tx.update(grads, tx.init(grads))
+    >>> [[round(float(v), 3) for v in row] for row in updates]  # the first clipped to norm 1, not the second
+    [[0.6, 0.8], [0.3, 0.4]]
+    """
+    def init(params: PyTree):
+        axes = _axes_tree(replica_axis, params)
+        state_axes = _state_axes(replica_axis, jax.eval_shape(inner.init, _one_replica(params, axes)))
+        return jax.vmap(inner.init, in_axes=(axes,), out_axes=state_axes)(params)
+
+    def update(updates: PyTree, state, params: PyTree | None = None):
+        axes = _axes_tree(replica_axis, updates)
+        state_axes = _state_axes(replica_axis, jax.eval_shape(inner.init, _one_replica(updates, axes)))
+        return jax.vmap(inner.update, in_axes=(axes, state_axes, None if params is None else axes),
+                        out_axes=(axes, state_axes))(updates, state, params)
+
+    return optax.GradientTransformation(init, update)
 
 
 def _check_rate(alpha: float, period: int, centre: str) -> None:

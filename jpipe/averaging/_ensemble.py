@@ -8,17 +8,25 @@ all N pipelines (the same time slot for the same micro-batch of every
 pipeline). Its loss has the value of the replicas' mean loss and the gradient
 of their *sum*, so each replica's gradient is exactly its own pipeline's.
 
-Batches carry the replica axis second: every leaf is ``[B, N, ...]`` (row
-``i`` of pipeline ``n`` is ``leaf[i, n]``), so the executor's split of the
-leading axis over ``data`` and micro-batches gives every micro-batch one slice
-of every pipeline's batch. :func:`stack_batches` and :func:`split_batch` build
-that layout.
+Batches carry the replica axis second: every leaf is ``[B, R, ...]`` (row
+``i`` of pipeline ``r`` is ``leaf[i, r]``), so the executor's split of the
+leading axis into micro-batches gives every micro-batch one slice of every
+pipeline's batch. :func:`stack_batches` and :func:`split_batch` build that
+layout.
 
-With ``data > 1`` every data replica holds all N pipelines, and the executor's
-mean over ``data`` makes each pipeline data-parallel over the data axis
-(pipeline ``n``'s batch is split over the data devices, its gradient
-all-reduced as in DAPPLE); the replicas and the centre are the same on every
-data device, so the centre needs no all-reduce of its own.
+With ``data > 1`` (``Plan(pipe, data, M, pipelines=N)``) the pipelines are
+*decoupled* across ``data``: each data replica's ``pipe`` devices hold N
+co-located pipelines of their own, so there are ``R = N x data`` pipelines in
+all, each with its own batch slice and its own optimizer state. The replica
+axis of every parameter (and optimizer-state leaf) and of the batch is split
+over ``data`` (pipelines ``d*N .. d*N + N - 1`` live on data replica ``d``);
+there is no gradient all-reduce over ``data`` -- only the elastic centre
+couples the pipelines. Batches are ``[B, N x data, ...]``; a step trains on
+``N x data x B`` samples. The centre (no replica axis) is replicated over the
+whole mesh (stage stacks over ``pipe``); its update sums the elastic pulls of
+all R replicas, a cross-``data`` all-reduce. With the default stale centre
+that sum reads only step-start values (replicas and centre), so it does not
+wait for the step's gradients and XLA can run it alongside the pipeline.
 """
 
 from __future__ import annotations
@@ -31,13 +39,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jpipe._executor import param_shardings
+from jpipe._executor import Executor, Layout, param_shardings
+from jpipe._mesh import make_mesh
 from jpipe._model import Component, Params, PyTree, Staged, unstack_layers
 from jpipe._plan import Plan
-from jpipe._train import TrainState, _check_batch, _microbatch, _opt_shardings
-from jpipe._train import init as _jpipe_init
-from jpipe.averaging._elastic import ElasticAveraging, ElasticState
+from jpipe._train import (
+    NAN_POLICIES,
+    Program,
+    TrainState,
+    _check_batch,
+    _check_params,
+    _opt_shardings,
+    _to_pipelined,
+)
+from jpipe.averaging._elastic import ElasticAveraging, ElasticState, per_replica
 
 # Where the replica axis sits in the pipelined layout: pre/post are [N, ...]; stage stacks are
 # [devices, chunks, layers per chunk, N, ...].
@@ -144,13 +161,14 @@ def batch_slice(batch: PyTree, n: int) -> PyTree:
     return jax.tree.map(lambda a: a[:, n], batch)
 
 
-def _check_ensemble_batch(batch: PyTree, pipelines: int, what: str) -> None:
+def _check_ensemble_batch(batch: PyTree, total: int, what: str, plan: Plan) -> None:
+    counts = f"pipelines={plan.pipelines}" + (f" x data={plan.data}" if plan.data > 1 else "")
     for path, a in jax.tree_util.tree_leaves_with_path(batch):
-        if np.ndim(a) < 2 or np.shape(a)[1] != pipelines:
+        if np.ndim(a) < 2 or np.shape(a)[1] != total:
             raise ValueError(
-                f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)}; with pipelines={pipelines} "
-                f"every leaf must be [B, {pipelines}, ...] (replica axis second): build it with "
-                f"jpipe.averaging.stack_batches(batches) or split_batch(global_batch, {pipelines})")
+                f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)}; with {counts} every leaf "
+                f"must be [B, {total}, ...] (replica axis second, one entry per pipeline): build it with "
+                f"jpipe.averaging.stack_batches(batches) or split_batch(global_batch, {total})")
 
 
 # -- training state --------------------------------------------------------------------------
@@ -169,18 +187,22 @@ def init(
     devices: Sequence[jax.Device] | None = None,
     nan_policy: str = "raise",
 ) -> TrainState:
-    """A :class:`jpipe.TrainState` for N co-located pipelines coupled by elastic averaging.
+    """A :class:`jpipe.TrainState` for N co-located pipelines per data replica, coupled by elastic averaging.
 
-    Every pipeline starts from the same parameters (fresh from ``rng``, or
-    ``params`` in sequential layout), which are also the centre. ``pipelines``
-    and ``averaging`` default to the plan's fields of those names, when it has
-    them (else ``averaging`` is ``ElasticAveraging()``). ``optimizer``
-    is each pipeline's own optimizer (element-wise transforms such as SGD and
-    Adam keep per-replica state; transforms that mix elements across a tensor,
-    such as global-norm clipping, would mix the replicas). The state works with
-    :func:`jpipe.train_step` on batches laid out ``[B, N, ...]``; its
-    ``metrics["loss"]`` is the replicas' mean loss. Read the centre with
-    :func:`centre` and the replicas with :func:`replicas`.
+    There are ``R = pipelines x plan.data`` pipelines in all (N on each data
+    replica's ``pipe`` devices; see the module docstring); ``example_batch`` is
+    laid out ``[B, R, ...]`` (``B`` per pipeline, divisible by
+    ``plan.microbatches``). Every pipeline starts from the same parameters
+    (fresh from ``rng``, or ``params`` in sequential layout), which are also the
+    centre. ``pipelines`` and ``averaging`` default to the plan's fields of
+    those names, when it has them (else ``averaging`` is ``ElasticAveraging()``,
+    whose default moving rate is ``beta / R``). ``optimizer`` is each
+    pipeline's own optimizer, applied per replica (:func:`per_replica`: its own
+    state, and global-norm clipping sees only its own gradients). The state
+    works with :func:`jpipe.train_step` on ``[B, R, ...]`` batches; its
+    ``metrics["loss"]`` is the replicas' mean loss; its plan records
+    ``pipelines`` and ``averaging``. Read the centre with :func:`centre` and the
+    replicas with :func:`replicas`.
 
     >>> import jax, jax.numpy as jnp, optax, jpipe
     >>> from jpipe import averaging, models
@@ -197,35 +219,50 @@ def init(
         raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
-    # Forward-compatible with Plan(pipelines=..., averaging=...): explicit arguments win.
-    pipelines = getattr(plan, "pipelines", None) if pipelines is None else pipelines
-    if pipelines is None:
-        raise ValueError("give pipelines= (the number N of co-located pipelines)")
-    averaging = averaging if averaging is not None else getattr(plan, "averaging", None)
+    # Explicit arguments win over the plan's fields.
+    pipelines = plan.pipelines if pipelines is None else pipelines
+    averaging = averaging if averaging is not None else plan.averaging
     averaging = ElasticAveraging() if averaging is None else averaging
     if not isinstance(averaging, ElasticAveraging):
         raise TypeError(f"averaging must be a jpipe.averaging.ElasticAveraging, got {type(averaging).__name__}")
     if (rng is None) == (params is None):
         raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
-    ens = ensemble(model, pipelines)
-    _check_ensemble_batch(example_batch, pipelines, "example_batch")
-    _check_batch(example_batch, plan, "example_batch")
+    if nan_policy not in NAN_POLICIES:
+        raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
+    plan = dataclasses.replace(plan, pipelines=pipelines, averaging=averaging)
+    total = pipelines * plan.data  # every pipeline of every data replica
+    ens = ensemble(model, pipelines)  # what one data device runs: its N pipelines
+    _check_ensemble_batch(example_batch, total, "example_batch", plan)
+    size = _check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
+    microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
+    one = batch_slice(microbatch, 0)
     if params is None:
-        params = model.init_params(rng, batch_slice(_microbatch(example_batch, plan), 0))
-    full = optax.chain(optimizer, averaging.transform(pipelines, replica_axis=REPLICA_AXIS))
-    # jpipe.init sees a plain plan (so that it cannot dispatch back here); the state keeps `plan`.
-    bare = {k: v for k, v in (("pipelines", 1), ("averaging", None)) if hasattr(plan, k)}
-    state = _jpipe_init(ens, dataclasses.replace(plan, **bare) if bare else plan, full, example_batch,
-                        params=_replicate(params, pipelines), devices=devices, nan_policy=nan_policy)
-    if bare:
-        state = state.replace(program=dataclasses.replace(state.program, plan=plan))
-    # The centre lives where its replicas live: stage stacks over `pipe`, the rest replicated.
-    mesh = state.mesh
-    inner_sh, _ = _opt_shardings(full, state.params, mesh)
-    centre_params = state.opt_state[1].centre
-    centre_sh = param_shardings(mesh, centre_params)
-    shardings = (inner_sh, ElasticState(NamedSharding(mesh, jax.sharding.PartitionSpec()), centre_sh))
-    return state.replace(opt_state=jax.device_put(state.opt_state, shardings))
+        params = model.init_params(rng, one)
+    else:
+        _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
+
+    partition = plan.stage_partition(model.num_layers)
+    table = plan.table()
+    mesh = make_mesh(plan.pipe, plan.data, devices)
+    layout = Layout.from_partition(partition, plan.pipe)
+    pipelined = _to_pipelined(_replicate(params, total), layout)
+    pipelined = jax.device_put(pipelined, param_shardings(mesh, pipelined, replicas_over_data=True))
+    inner = per_replica(optimizer, REPLICA_AXIS)
+    full = optax.chain(inner, averaging.transform(total, replica_axis=REPLICA_AXIS))
+    # Each replica's optimizer state lives with the replica; the centre is replicated over the
+    # whole mesh, its stage stacks over `pipe` (where the replicas' stage stacks are).
+    centre_shape = jax.eval_shape(full.init, pipelined)[1].centre
+    shardings = (_opt_shardings(inner, pipelined, mesh, replicas_over_data=True),
+                 ElasticState(NamedSharding(mesh, P()), param_shardings(mesh, centre_shape)))
+    opt_state = jax.jit(full.init, out_shardings=shardings)(pipelined)
+
+    executor = Executor(ens, table, layout, mesh, plan.remat, replicas_over_data=True)
+    batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
+    program = Program(ens, plan, full, mesh, layout, executor, batch_spec,
+                      executor.build(microbatch, pipelined["pre"]), nan_policy)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))  # as train_step returns it
+    skipped = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return TrainState(step, pipelined, opt_state, program, skipped)
 
 
 def _elastic_state(state: TrainState) -> ElasticState:
@@ -250,7 +287,7 @@ to_sequential = centre
 
 
 def replicas(state: TrainState) -> list[Params]:
-    """Each pipeline's own parameters in sequential layout, as a list of N."""
+    """Each pipeline's own parameters in sequential layout: all ``N x data`` of them, in replica-axis order."""
     p = state.params
     layers = state.program.layout.from_stages(p["stages"])  # [L, N, ...]
     n = jax.tree.leaves(layers)[0].shape[1]

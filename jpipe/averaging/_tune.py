@@ -7,16 +7,17 @@ does not measure are predicted from the measured ones with the schedule
 simulator (:func:`jpipe.schedules.simulate`, lock-step timing):
 
 * time: every stage's forward costs ``f = a + c * w`` per tick, where ``w =
-  N * B / (data * M)`` is the samples one tick processes on one device (N
-  pipelines batched together), and its backward ``2 f``; the simulator turns
+  N * B / M`` is the samples one tick processes on one device (its N
+  pipelines batched together; every data replica runs N pipelines of its
+  own), and its backward ``2 f``; the simulator turns
   that into a makespan ``K(M) * f``. ``step_time = K * a + K * w * c + o``,
   with ``a, c, o >= 0`` fitted by least squares to the measured steps.
-* memory: ``bytes = m0 + m1 * N + m2 * N * (B / (data * M)) * held(M)``, with
+* memory: ``bytes = m0 + m1 * N + m2 * N * (B / M) * held(M)``, with
   ``held`` the schedule's peak micro-batches per device (parameters and
   optimizer state grow with N, activations with N x micro-batch x held).
 
 The choice is the candidate with the highest *measured* throughput (samples
-per second, N x B per step) among those that fit ``memory_limit``: after
+per second, N x data x B per step) among those that fit ``memory_limit``: after
 predicting, the tuner measures the best predicted candidate that fits until
 that one has been measured.
 """
@@ -51,7 +52,7 @@ class TuneRow(NamedTuple):
     microbatches: int
     measured: bool
     step_time: float  # seconds per step (measured median, or predicted)
-    samples_per_s: float  # pipelines x per-pipeline batch / step_time
+    samples_per_s: float  # pipelines x data x per-pipeline batch / step_time
     memory: int  # per-device bytes: temp + arguments + outputs - aliased (measured or predicted)
     bubble: float  # the schedule's lock-step bubble fraction (simulator)
     fits: bool
@@ -96,12 +97,15 @@ def _batch_size(batch: PyTree) -> int:
 
 
 def default_candidates(pipe: int, data: int, batch_size: int) -> list[tuple[int, int]]:
-    """``N`` in 1, 2, 4 and ``M`` in ``pipe``, ``2 pipe``, ``4 pipe`` (those that divide the batch).
+    """``N`` in 1, 2, 4 and ``M`` in ``pipe``, ``2 pipe``, ``4 pipe`` (those that divide the per-pipeline batch).
+
+    ``data`` does not restrict M: every data replica runs whole pipelines of its own.
 
     >>> default_candidates(pipe=2, data=1, batch_size=8)
     [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8)]
     """
-    ms = [m for m in (pipe, 2 * pipe, 4 * pipe) if batch_size % (data * m) == 0]
+    del data
+    ms = [m for m in (pipe, 2 * pipe, 4 * pipe) if batch_size % m == 0]
     return [(n, m) for n, m in itertools.product((1, 2, 4), ms)]
 
 
@@ -123,7 +127,7 @@ def _fit_nonneg(features: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 
 def _measure(model, plan, optimizer, batch, n, averaging, devices, repeats) -> tuple[float, int]:
-    ens_batch = stack_batches([batch] * n)
+    ens_batch = stack_batches([batch] * (n * plan.data))  # N pipelines on each data replica
     state = _avg_init(model, plan, optimizer, ens_batch, pipelines=n, averaging=averaging,
                       rng=jax.random.key(0), devices=devices)
     compiled = train_step.lower(state, ens_batch).compile()
@@ -157,8 +161,9 @@ def tune(
     """Picks ``(N pipelines, M micro-batches)`` by measured throughput within ``memory_limit``.
 
     ``example_batch`` is one pipeline's batch (``B`` samples; a step of N
-    pipelines trains on ``N x B``). ``mesh_or_devices`` is a ``(pipe, data)``
-    mesh, or a list of devices used as ``pipe = len(devices)``, ``data = 1``.
+    pipelines on each of ``data`` replicas trains on ``N x data x B``).
+    ``mesh_or_devices`` is a ``(pipe, data)`` mesh, or a list of devices used
+    as ``pipe = len(devices)``, ``data = 1``.
     ``candidates`` are ``(N, M)`` pairs (default :func:`default_candidates`);
     ``measure`` the ones to measure first (default: all of them when there are
     at most four, else the corners of the grid); the rest are predicted, and
@@ -170,17 +175,17 @@ def tune(
     optimizer = optax.sgd(1e-3) if optimizer is None else optimizer
     batch_size = _batch_size(example_batch)
     cands = [tuple(map(int, c)) for c in (candidates or default_candidates(pipe, data, batch_size))]
-    bad = [c for c in cands if c[0] < 1 or c[1] < 1 or batch_size % (data * c[1])]
+    bad = [c for c in cands if c[0] < 1 or c[1] < 1 or batch_size % c[1]]
     if bad:
         raise ValueError(f"candidates {bad} do not fit: N and M must be >= 1 and the per-pipeline batch "
-                         f"({batch_size}) divisible by data x M")
+                         f"({batch_size}) divisible by M")
     if not cands:
         raise ValueError("no candidate (N, M) pairs to tune over")
     make = get_schedule(schedule)
     sims = {m: simulate(make(pipe, m), Costs(forward=1.0, backward=2.0)) for m in {m for _, m in cands}}
 
     def features(n: int, m: int) -> tuple[list[float], list[float]]:
-        k, w = sims[m].makespan, n * batch_size / (data * m)
+        k, w = sims[m].makespan, n * batch_size / m
         held = float(np.max(sims[m].peak_held))
         return [k, k * w, 1.0], [1.0, n, w * held]
 
@@ -218,7 +223,7 @@ def tune(
             else:
                 t = float(np.dot(features(n, m)[0], t_coef))
                 mem = round(float(np.dot(features(n, m)[1], m_coef)))
-            rows.append(TuneRow(n, m, c in measured, t, n * batch_size / t if t > 0 else float("inf"),
+            rows.append(TuneRow(n, m, c in measured, t, n * data * batch_size / t if t > 0 else float("inf"),
                                 mem, bubble, fits(mem)))
         fitting = [r for r in rows if r.fits]
         if not fitting:
