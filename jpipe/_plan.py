@@ -32,9 +32,10 @@ class Plan:
     ticks, for up to one more held micro-batch per device; pair it with
     ``schedule="1f1b-b"`` (enough forwards in flight to keep fused ticks full).
 
-    ``pipelines`` > 1 co-locates that many pipelines on the same devices, coupled
-    by elastic ``averaging`` (AvgPipe; see :mod:`jpipe.averaging`); their default
-    schedule is ``"advance-forward"``, otherwise ``"1f1b"``.
+    ``pipelines`` > 1 co-locates that many pipelines on each data replica's
+    devices (``pipelines x data`` in all, each on its own batch slice), coupled
+    only by elastic ``averaging`` (AvgPipe; see :mod:`jpipe.averaging`); their
+    default schedule is ``"advance-forward"``, otherwise ``"1f1b"``.
 
     >>> plan = Plan(pipe=4, data=2, microbatches=8, partition=(5, 7, 7, 5))
     >>> plan.stage_partition(24)

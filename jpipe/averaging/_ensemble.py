@@ -142,6 +142,8 @@ def stack_batches(batches: Sequence[PyTree]) -> PyTree:
 def split_batch(batch: PyTree, pipelines: int) -> PyTree:
     """A global batch ``[N * B, ...]`` -> ``[B, N, ...]``; pipeline ``n`` gets rows ``n*B .. (n+1)*B - 1``.
 
+    With ``data > 1`` pass ``pipelines = N x data`` (every pipeline of every data replica).
+
     >>> import jax.numpy as jnp
     >>> split_batch({"x": jnp.arange(6)}, pipelines=2)["x"].tolist()
     [[0, 3], [1, 4], [2, 5]]
