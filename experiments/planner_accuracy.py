@@ -95,7 +95,7 @@ def _broadcast_text(text: str) -> str:
 
 
 def _key(plan) -> tuple:
-    return (plan.pipe, plan.data, plan.microbatches, str(plan.schedule))
+    return (plan.pipe, plan.data, plan.microbatches, str(plan.schedule) + ("+fused" if plan.fuse_ticks else ""))
 
 
 def spearman(a, b) -> float:
@@ -169,7 +169,7 @@ def worker(argv: list[str], local: bool) -> None:
     # 2. predict
     choice = partition.search(prof, 2, B, schedules=args.schedules, max_microbatches=max(args.microbatches))
     cands = [cd for cd in choice.candidates
-             if cd.plan.pipe == 1 or cd.plan.microbatches in args.microbatches]
+             if cd.plan.microbatches in (1, *args.microbatches)]
     cands.sort(key=lambda cd: _key(cd.plan))  # the same order on every process
     say("\nplanner's ranked candidates:\n" + choice.table())
 
@@ -203,7 +203,7 @@ def worker(argv: list[str], local: bool) -> None:
         plan, cand = run["cand"].plan, run["cand"]
         measured = statistics.median(run["times"])
         rows.append({"pipe": plan.pipe, "data": plan.data, "microbatches": plan.microbatches,
-                     "schedule": str(plan.schedule), "partition": list(plan.partition or ()),
+                     "schedule": _key(plan)[3], "partition": list(plan.partition or ()),
                      "predicted_ms": cand.step_time * 1e3, "measured_ms": measured * 1e3,
                      "error": cand.step_time / measured - 1, "compile_s": run["compile_s"],
                      "spread_ms": [1e3 * min(run["times"]), 1e3 * max(run["times"])]})

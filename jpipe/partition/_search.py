@@ -206,7 +206,7 @@ def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limi
         scaled = profile.scaled(global_batch / data)  # partition on this replica's work
         partition = balanced_partition(scaled, pipe)
         for m in _divisors(global_batch // data):
-            if m > max_microbatches or (pipe == 1 and m > 1):
+            if m > max_microbatches:
                 continue
             for schedule in (schedules if pipe > 1 else ("1f1b",)):
                 if schedule == "1f1b-b" and m <= pipe:
