@@ -10,3 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 assert len(jax.devices()) == 8, f"tests need 8 simulated CPU devices, got {jax.devices()}"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each module's compiled programs when it is done: one pytest process compiles
+    thousands of them, and holding them all grows memory for the rest of the run."""
+    yield
+    jax.clear_caches()
