@@ -5,6 +5,9 @@ gloo collectives over 127.0.0.1, started by ``jpipe.distributed.launch_local``) 
 With accelerators present, or with ``--local``, the script runs in this process on the first two
 local devices instead -- the same code path, unchanged.
 
+0. On CPU each process is pinned to a core of its own with single-threaded XLA: two processes
+   sharing two cores would make a data-parallel step (both compute at once) look slower than the
+   profile, which times one device alone.
 1. Profile the model on the cluster: layer costs with ``jpipe.partition.profile`` on one device of
    process 0, ppermute / all-reduce costs with ``measure_comm`` over both devices (every process
    takes part in the collectives); process 0's profile is broadcast so that every process plans
@@ -23,22 +26,27 @@ local devices instead -- the same code path, unchanged.
 
 Target (issue 5): every prediction within 25 % and the fastest plan chosen.
 
-Measured on the 2-core shared CPU machine (2026-12-02, load average 5-13 from other jobs): the target is
-not met. Errors of -87 % to +46 %, Spearman rho -0.6 to -0.8, and the planner picks data=2 (predicted
-fastest, measured slowest). Where the error comes from:
+Measured on the 2-core CPU machine (2026-12-02, quiet; each process pinned to its own core): the
+target is not met yet, but the ranking now mostly is. 12 plans, max |error| 54.6 %, Spearman rho
+0.806; the planner picks data=2 M=1 (measured 19.4 ms, spread 15.6-23.7) while the fastest measured
+is data=2 M=2 (16.6 ms, spread 14.5-20.0): within the noise, not strictly the fastest.
 
-- data=2 runs pipe=1 with M=1 (the search allows no M > 1 without a pipeline), so each replica runs
-  one micro-batch of 8. The executor's step at that size costs about 3x the profiled sum: a 1-device
-  ``Plan(1, 1, M)`` step at micro-batch 8 takes 36-47 ms against 12 ms for a plain jitted
-  ``value_and_grad`` and ~11 ms for the profiled pre + 4 layers + post. At micro-batch 4 the same step
-  takes 7.4 ms per micro-batch, close to the profile. The cost of the executor's tick machinery
-  (scan over layers in a ``lax.switch`` branch, residual stash buffers) grows faster than
-  linearly in the micro-batch here; the profiler times each part jitted alone and cannot see it.
-  The optimizer update is not the cause (Adam and SGD steps take the same time).
-- Both processes share 2 busy cores, so a data=2 step, where both compute at once, is slowed more
-  than a pipe=2 step, where they mostly take turns. The cost model treats devices as independent.
-- Noise: step times of one plan spread 3-4x (min-max column) and the profile's
-  ppermute latency changes between runs (0.1-3 ms), which is why plans are timed in turns.
+History of the fixes (same script, same model):
+
+- The executor's step at micro-batch 8 was ~3x the profiled sum (residual-sized values through the
+  action switch, zero-filled and copied every tick; a temp buffer above glibc's mmap threshold
+  page-faulting every step). Fixed: 3.2x -> 1.35x of a plain jitted step.
+- Gradients were all-reduced one tensor at a time: with gloo every call costs ~3 ms, so data=2
+  measured 92 ms against 16 ms predicted. The executor now sums pre/post gradients over ``pipe`` in
+  one call and averages everything over ``data`` in one call: data=2 measures 16-22 ms.
+- Two processes sharing two cores made a data-parallel step (both computing at once) slower than
+  the profile, taken with one process computing. Each process now gets a core of its own.
+
+What remains: pipe=2 plans measure 32-46 ms against 16-26 ms predicted, a roughly constant ~15-20 ms
+the cost model does not see (data=2: ~5 ms). Candidates: the optimizer update and the executor's
+per-step fixed costs (neither is profiled), and gloo's collective-permute latency inside the step
+differing from the stand-alone ppermute that ``measure_comm`` times. Next: profile one executor step
+of a trivial plan per mesh shape and add its fixed cost to the prediction.
 """
 
 from __future__ import annotations
@@ -117,7 +125,19 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def _own_core() -> None:
+    """Pins this process to one core of its own (and XLA to one thread), so that the two CPU
+    processes are two independent devices, as on a real cluster, not two programs sharing cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    index = int(os.environ.get("JPIPE_PROCESS_ID", "0"))
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, {cores[index % len(cores)]})
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+
 def worker(argv: list[str], local: bool) -> None:
+    if not local:
+        _own_core()  # before jax starts its runtime
     import jax
     import numpy as np
     import optax

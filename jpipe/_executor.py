@@ -340,23 +340,24 @@ class Executor:
 
             carry, _ = lax.scan(tick, carry, rows)
             scale = 1.0 / M
-            loss = lax.psum(carry.loss, (PIPE, DATA)) * scale / self.mesh.shape[DATA]
             if over_data:  # each data device's replicas keep their own gradients
                 # The loss (mean over all replicas) stays one all-reduce over the whole mesh: an
                 # all-reduce over `data` groups alone could be combined by XLA with the elastic
                 # centre's, which would then wait for the pipeline.
-                grads = {
-                    "pre": jax.tree.map(lambda g: lax.psum(g, PIPE) * scale, carry.grad_pre),
-                    "stages": jax.tree.map(lambda g: (g * scale)[None], carry.grad_stages),
-                    "post": jax.tree.map(lambda g: lax.psum(g, PIPE) * scale, carry.grad_post),
-                }
+                loss = lax.psum(carry.loss, (PIPE, DATA)) * scale / self.mesh.shape[DATA]
+                io = _reduce_at_once({"pre": carry.grad_pre, "post": carry.grad_post},
+                                     lambda v: lax.psum(v, PIPE) * scale)
+                grads = {"pre": io["pre"], "stages": jax.tree.map(lambda g: (g * scale)[None], carry.grad_stages),
+                         "post": io["post"]}
                 return loss, grads
-            grads = {
-                "pre": jax.tree.map(lambda g: lax.pmean(lax.psum(g, PIPE) * scale, DATA), carry.grad_pre),
-                "stages": jax.tree.map(lambda g: lax.pmean(g * scale, DATA)[None], carry.grad_stages),
-                "post": jax.tree.map(lambda g: lax.pmean(lax.psum(g, PIPE) * scale, DATA), carry.grad_post),
-            }
-            return loss, grads
+            # One collective per axis, not one per parameter: pre/post gradients and the loss are
+            # summed over `pipe`, then everything is averaged over `data` in a single all-reduce.
+            io = _reduce_at_once({"pre": carry.grad_pre, "post": carry.grad_post, "loss": carry.loss},
+                                 lambda v: lax.psum(v, PIPE))
+            total = _reduce_at_once({"io": io, "stages": carry.grad_stages}, lambda v: lax.pmean(v * scale, DATA))
+            grads = {"pre": total["io"]["pre"], "stages": jax.tree.map(lambda g: g[None], total["stages"]),
+                     "post": total["io"]["post"]}
+            return total["io"]["loss"], grads
 
         param_specs = _param_specs(over_data)
         return jax.shard_map(
@@ -366,6 +367,27 @@ class Executor:
             out_specs=(P(), param_specs),
             check_vma=False,
         )
+
+
+def _reduce_at_once(tree: PyTree, reduce: Callable[[jax.Array], jax.Array]) -> PyTree:
+    """Applies an element-wise collective ``reduce`` to every leaf through one call per dtype.
+
+    Each collective call has a fixed latency (milliseconds with gloo between CPU processes), and
+    XLA does not always combine per-leaf all-reduces: flattening makes it one call.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    out: list = [None] * len(leaves)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(jnp.result_type(leaf), []).append(i)
+    for indices in groups.values():
+        flat = reduce(jnp.concatenate([jnp.ravel(leaves[i]) for i in indices]))
+        start = 0
+        for i in indices:
+            size = int(np.prod(jnp.shape(leaves[i]), dtype=int))
+            out[i] = flat[start:start + size].reshape(jnp.shape(leaves[i]))
+            start += size
+    return jax.tree.unflatten(treedef, out)
 
 
 def _local_replicas(tree: PyTree, axis: int, data: int) -> PyTree:

@@ -165,8 +165,9 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     io_params = sum(p.param_bytes for p in io)
     io_opt = sum(p.optimizer_bytes for p in io)
     stage_params = max_layers * layer.param_bytes
-    reduce = (_allreduce(comm, stage_params, plan.data) + _allreduce(comm, io_params, plan.pipe)
-              + _allreduce(comm, io_params, plan.data))
+    # the executor's end of step: one psum of pre/post gradients (and the loss) over `pipe`, then
+    # one all-reduce of every gradient over `data` (one call each, whatever the number of tensors)
+    reduce = _allreduce(comm, io_params, plan.pipe) + _allreduce(comm, stage_params + io_params, plan.data)
     step = sim.makespan + reduce
     held = sim.peak_held
     worst = 0.0
