@@ -213,7 +213,15 @@ def init(
     pipelined = jax.device_put(jax.tree.map(jnp.copy, pipelined), shardings)
     opt_state = jax.jit(optimizer.init, out_shardings=_opt_shardings(optimizer, pipelined, mesh))(pipelined)
 
-    executor = Executor(model, table, layout, mesh, plan.remat)
+    return _new_state(model, plan, optimizer, table, layout, mesh, pipelined, opt_state, example_batch,
+                      microbatch, nan_policy)
+
+
+def _new_state(model: Staged, plan: Plan, optimizer, table, layout: Layout, mesh: Mesh, pipelined: Params,
+               opt_state, example_batch: PyTree, microbatch: PyTree, nan_policy: str,
+               replicas_over_data: bool = False) -> TrainState:
+    """The step-0 :class:`TrainState` around placed parameters and optimizer state: builds the program."""
+    executor = Executor(model, table, layout, mesh, plan.remat, replicas_over_data=replicas_over_data)
     batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
     program = Program(model, plan, optimizer, mesh, layout, executor, batch_spec,
                       executor.build(microbatch, pipelined["pre"]), nan_policy)

@@ -41,16 +41,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._executor import Executor, Layout, param_shardings
+from jpipe._executor import Layout, param_shardings
 from jpipe._mesh import make_mesh
 from jpipe._model import Component, Params, PyTree, Staged, unstack_layers
 from jpipe._plan import Plan
 from jpipe._train import (
     NAN_POLICIES,
-    Program,
     TrainState,
     _check_batch,
     _check_params,
+    _new_state,
     _opt_shardings,
     _to_pipelined,
 )
@@ -258,13 +258,8 @@ def init(
                  ElasticState(NamedSharding(mesh, P()), param_shardings(mesh, centre_shape)))
     opt_state = jax.jit(full.init, out_shardings=shardings)(pipelined)
 
-    executor = Executor(ens, table, layout, mesh, plan.remat, replicas_over_data=True)
-    batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
-    program = Program(ens, plan, full, mesh, layout, executor, batch_spec,
-                      executor.build(microbatch, pipelined["pre"]), nan_policy)
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))  # as train_step returns it
-    skipped = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-    return TrainState(step, pipelined, opt_state, program, skipped)
+    return _new_state(ens, plan, full, table, layout, mesh, pipelined, opt_state, example_batch, microbatch,
+                      nan_policy, replicas_over_data=True)
 
 
 def _elastic_state(state: TrainState) -> ElasticState:

@@ -59,17 +59,16 @@ def validate(table: Table) -> Table:
     lanes = table.lanes
     if lanes < 1 or table.num_rows % lanes:
         raise ScheduleError(f"table has {table.num_rows} rows, not a whole number of ticks of {lanes} lanes")
+    def send(sends: dict, to: int, value: tuple[int, int], t: int, d: int, what: str) -> None:
+        if to in sends:
+            raise ScheduleError(
+                f"{where(t, d, value[0])}: two {what} leave device {d} in one tick (micro-batches "
+                f"{sends[to][0]} and {value[0]}); a tick moves one {what} per direction")
+        sends[to] = value
+
     for t in range(table.num_ticks):
         sends_in: dict[int, tuple[int, int]] = {}
         sends_cot: dict[int, tuple[int, int]] = {}
-
-        def send(sends: dict, to: int, value: tuple[int, int], t: int, d: int, what: str) -> None:
-            if to in sends:
-                raise ScheduleError(
-                    f"{where(t, d, value[0])}: two {what} leave device {d} in one tick (micro-batches "
-                    f"{sends[to][0]} and {value[0]}); a tick moves one {what} per direction")
-            sends[to] = value
-
         for r in range(t * lanes, (t + 1) * lanes):
             for d in range(P):
                 kind = int(table.kind[r, d])
