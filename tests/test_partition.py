@@ -121,13 +121,21 @@ def test_reads_the_published_profiles(file, layers, pbs):
 
 
 def test_profile_json_round_trip_and_scaling(tmp_path):
-    layer = LayerCost("l", 2e-3, 4e-3, 1e3, 1e4, 2e4, 5e3, forward_overhead=1e-3)
-    p = Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer, comm=CommCost(1e-5, 1e-9, 2e-5, 2e-9))
+    # measured at 4 (the profile's size), 2 and 8 samples: superlinear above 4
+    layer = LayerCost("l", 2e-3, 4e-3, 1e3, 1e4, 2e4, 5e3, update=1e-4,
+                      curve=((0.5, 1.5e-3, 2e-3), (2.0, 5e-3, 9e-3)))
+    p = Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer,
+                comm=CommCost(exchange=((1e3, 1e-4), (1e5, 2e-3)), allreduce=((1e3, 1e-3), (1e6, 4e-3))))
     p.save(tmp_path / "p.json")
     assert load(tmp_path / "p.json") == p
     half = p.scaled(2)
-    assert half.layers[0].forward == pytest.approx(1.5e-3)       # overhead stays, the rest halves
+    assert half.layers[0].forward == pytest.approx(1.5e-3)       # the measured point, not 4 / 2
     assert half.layers[0].activation_bytes == pytest.approx(500)
+    assert p.scaled(6).layers[0].backward == pytest.approx(6.5e-3)   # between the points at 4 and 8
+    assert p.scaled(16).layers[0].forward == pytest.approx(11e-3)    # the last segment, extended
+    assert half.scaled(8).layers[0] == p.scaled(8).layers[0]          # scaling keeps every point
+    assert p.comm.exchange_time(5.05e4) == pytest.approx(1.05e-3)
+    assert p.comm.allreduce_time(1e3, 2) == pytest.approx(1e-3)      # ring bytes 2 s (n-1)/n = s
     with pytest.raises(ValueError, match="cut_bytes"):
         Profile(layers=(layer,) * 3, microbatch_size=1, cut_bytes=(1.0,))
 
@@ -218,7 +226,7 @@ def _toy_profile(num_layers=8, post_factor=1.0):
                       residual_bytes=1e5)
     post = LayerCost("post", 1e-3 * post_factor, 2e-3 * post_factor, 4, 1e6, 2e6, 1e5)
     return Profile(layers=(layer,) * num_layers, microbatch_size=4, post=post,
-                   comm=CommCost(1e-5, 1e-10, 1e-5, 1e-10))
+                   comm=CommCost.linear(2e-5, 2e-10, 1e-5, 1e-10))
 
 
 def test_search_ranks_candidates_and_respects_memory():
@@ -271,7 +279,7 @@ def test_gpt_with_heavy_head_gets_an_uneven_partition():
     model = jpipe.models.gpt(vocab_size=8192, seq_len=16, d_model=32, num_heads=2, num_layers=8)
     batch = {"tokens": jnp.zeros((32, 16), jnp.int32), "targets": jnp.zeros((32, 16), jnp.int32)}
     prof = profile(model, jax.tree.map(lambda a: a[:8], batch), repeats=5, warmup=1, comm=False,
-                   affine=False)
+                   microbatch_sizes=[8])
     head = prof.post.forward + prof.post.backward
     layer = prof.layers[0].forward + prof.layers[0].backward
     assert head > 2 * layer, (head, layer)
@@ -322,3 +330,33 @@ def test_dapple_search_space_and_full_search():
     _check_plan_shape(full, 16, cluster)
     with pytest.raises(ValueError, match="search must be one of"):
         dapple_plan(prof, 256, cluster, search="nope")
+
+
+def test_profile_times_every_asked_size_and_the_optimizer_step():
+    import jax.numpy as jnp
+
+    import jpipe.models
+    from jpipe.partition import profile
+
+    model = jpipe.models.mlp(in_dim=4, hidden=32, out_dim=1, num_layers=3)
+    mb = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+    p = profile(model, mb, repeats=3, warmup=1, comm=False, microbatch_sizes=[2, 8, 32])
+    layer = p.layers[0]
+    assert [point[0] for point in layer.curve] == [0.25, 4.0]     # 2 and 32 samples, relative to 8
+    at_32 = p.scaled(32).layers[0]
+    assert (at_32.forward, at_32.backward) == layer.curve[1][1:]   # a measured size is read, not scaled
+    assert at_32.activation_bytes == 4 * layer.activation_bytes
+    assert layer.update > 0 and p.pre.update > 0 and p.post.update > 0
+    with pytest.raises(ValueError, match="microbatch_sizes"):
+        profile(model, mb, comm=False, microbatch_sizes=[0])
+
+
+def test_step_prediction_adds_the_largest_stage_optimizer_step():
+    layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, update=1e-4)
+    io = LayerCost("io", 1e-3, 1e-3, 1e3, 1e4, 2e4, update=3e-4)
+    with_update = Profile(layers=(layer,) * 6, microbatch_size=4, pre=io, post=io)
+    without = Profile(layers=(layer._replace(update=0.0),) * 6, microbatch_size=4,
+                      pre=io._replace(update=0.0), post=io._replace(update=0.0))
+    plan = Plan(2, 1, 4, partition=(2, 4))
+    extra = evaluate(with_update, plan, 16).step_time - evaluate(without, plan, 16).step_time
+    assert extra == pytest.approx(4 * 1e-4 + 2 * 3e-4)   # 4 layers on the larger stage, pre and post on each

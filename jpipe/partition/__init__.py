@@ -32,7 +32,9 @@ from jpipe.partition._search import (
     balanced_partition,
     evaluate,
     format_candidates,
+    microbatch_sizes,
     plan,
+    profile_sizes,
     search,
     stage_costs,
 )
@@ -40,6 +42,7 @@ from jpipe.partition._search import (
 __all__ = [
     "Candidate", "Cluster", "CommCost", "DapplePlan", "GraphNode", "LayerCost", "Latency", "PlanChoice",
     "Profile", "Stage", "balanced_partition", "dapple_latency", "dapple_plan", "evaluate",
-    "format_candidates", "load", "measure_comm", "plan", "profile", "read_graph", "read_graph_profile",
+    "format_candidates", "load", "measure_comm", "microbatch_sizes", "plan", "profile", "profile_sizes",
+    "read_graph", "read_graph_profile",
     "search", "stage_costs",
 ]

@@ -17,14 +17,41 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 
+Points = tuple[tuple[float, ...], ...]
+
+
+def interpolate(points: Sequence[Sequence[float]], x: float, column: int = 1) -> float:
+    """``points[:, column]`` at ``x`` (sorted by ``points[:, 0]``): piecewise linear between the points,
+    the nearest segment's line beyond them, never below 0.
+
+    >>> interpolate([(1, 1.0), (2, 3.0), (4, 4.0)], 3), interpolate([(1, 1.0), (2, 3.0)], 0)
+    (3.5, 0.0)
+    """
+    if len(points) == 1:
+        return float(points[0][column])
+    i = 1
+    while i < len(points) - 1 and x > points[i][0]:
+        i += 1
+    (x0, *r0), (x1, *r1) = points[i - 1], points[i]
+    y0, y1 = r0[column - 1], r1[column - 1]
+    return max(0.0, float(y0 + (y1 - y0) * (x - x0) / (x1 - x0)))
+
+
 class LayerCost(NamedTuple):
     """Costs of one layer for one micro-batch of ``Profile.microbatch_size`` samples.
 
-    Times are seconds: ``forward`` and ``backward`` (input and weight gradients),
-    each of which includes ``*_overhead`` seconds that do not scale with the
-    batch (dispatch, kernel launch). Sizes are bytes: ``activation_bytes`` the
-    layer's output, ``residual_bytes`` what its backward keeps from its forward,
-    ``param_bytes`` and ``optimizer_bytes`` (optimizer state) its weights'.
+    Times are seconds: ``forward`` and ``backward`` (input and weight gradients)
+    and ``update``, the optimizer's step on the layer's weights. ``curve`` holds
+    the same layer timed at other batch sizes, as ``(batch relative to this one,
+    forward, backward)``; :meth:`scaled` interpolates between the measured sizes
+    (extrapolating the nearest segment) and, without a curve, scales linearly.
+    Sizes are bytes: ``activation_bytes`` the layer's output, ``residual_bytes``
+    what its backward keeps from its forward, ``param_bytes`` and
+    ``optimizer_bytes`` (optimizer state) its weights'.
+
+    >>> l = LayerCost("l", 2.0, 4.0, 8.0, 0.0, curve=((0.5, 1.5, 2.0),))
+    >>> l.scaled(0.75)[1:4], l.scaled(2)[1:3], l.scaled(0.5).curve
+    ((1.75, 3.0, 6.0), (3.0, 8.0), ((2.0, 2.0, 4.0),))
     """
 
     name: str
@@ -34,39 +61,55 @@ class LayerCost(NamedTuple):
     param_bytes: float
     optimizer_bytes: float = 0.0
     residual_bytes: float = 0.0
-    forward_overhead: float = 0.0
-    backward_overhead: float = 0.0
+    update: float = 0.0
+    curve: Points = ()
 
     def scaled(self, factor: float) -> LayerCost:
-        """The layer at ``factor`` times the profiled batch: times affine, activations linear."""
-        f0, b0 = self.forward_overhead, self.backward_overhead
+        """The layer at ``factor`` times the profiled batch (bytes linear in the batch)."""
+        points = sorted({(1.0, self.forward, self.backward), *map(tuple, self.curve)})
+        if len(points) == 1:
+            forward, backward = self.forward * factor, self.backward * factor
+        else:
+            forward, backward = interpolate(points, factor, 1), interpolate(points, factor, 2)
         return self._replace(
-            forward=f0 + (self.forward - f0) * factor,
-            backward=b0 + (self.backward - b0) * factor,
+            forward=forward, backward=backward,
             activation_bytes=self.activation_bytes * factor,
             residual_bytes=self.residual_bytes * factor,
+            curve=tuple((s / factor, f, b) for s, f, b in points if not math.isclose(s, factor)),
         )
 
 
 class CommCost(NamedTuple):
-    """Measured communication: ``latency + per_byte * bytes`` seconds.
+    """Measured communication as points ``(bytes, seconds)``, interpolated by :func:`interpolate`.
 
-    ``allreduce_per_byte`` is per byte of ring traffic, so an all-reduce of ``s``
-    bytes over ``n`` devices takes ``allreduce_latency + allreduce_per_byte * 2 s (n-1)/n``.
+    ``exchange``: one tick of the executor between pipe neighbours -- the
+    activation ppermute forward and the cotangent ppermute backward, ``bytes``
+    each way. ``allreduce``: one all-reduce, by bytes of ring traffic, so an
+    all-reduce of ``s`` bytes over ``n`` devices is read at ``2 s (n-1)/n``.
+
+    >>> c = CommCost.linear(exchange_latency=1e-4, exchange_per_byte=1e-9, allreduce_latency=1e-3,
+    ...                     allreduce_per_byte=1e-9)
+    >>> round(c.exchange_time(1e6), 6), round(c.allreduce_time(1e6, 2), 6), c.allreduce_time(1e6, 1)
+    (0.0011, 0.002, 0.0)
     """
 
-    ppermute_latency: float
-    ppermute_per_byte: float
-    allreduce_latency: float
-    allreduce_per_byte: float
+    exchange: Points
+    allreduce: Points
 
-    def ppermute_time(self, size: float) -> float:
-        return self.ppermute_latency + self.ppermute_per_byte * size if size > 0 else 0.0
+    @classmethod
+    def linear(cls, exchange_latency: float, exchange_per_byte: float, allreduce_latency: float,
+               allreduce_per_byte: float) -> CommCost:
+        """Latency + bytes x per-byte, for both."""
+        line = lambda lat, per: ((0.0, lat), (1e9, lat + per * 1e9))  # noqa: E731
+        return cls(line(exchange_latency, exchange_per_byte), line(allreduce_latency, allreduce_per_byte))
+
+    def exchange_time(self, size: float) -> float:
+        return interpolate(self.exchange, size) if size > 0 else 0.0
 
     def allreduce_time(self, size: float, n: int) -> float:
         if n <= 1 or size <= 0:
             return 0.0
-        return self.allreduce_latency + self.allreduce_per_byte * 2.0 * size * (n - 1) / n
+        return interpolate(self.allreduce, 2.0 * size * (n - 1) / n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +137,18 @@ class Profile:
     backend: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", tuple(LayerCost(*l) for l in self.layers))
+        object.__setattr__(self, "layers", tuple(_layer_cost(l) for l in self.layers))
         if not self.layers:
             raise ValueError("a Profile needs at least one layer")
         if self.microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
         for part in ("pre", "post"):
             value = getattr(self, part)
-            if value is not None and not isinstance(value, LayerCost):
-                object.__setattr__(self, part, LayerCost(*value))
-        if self.comm is not None and not isinstance(self.comm, CommCost):
-            object.__setattr__(self, "comm", CommCost(*self.comm))
+            if value is not None:
+                object.__setattr__(self, part, _layer_cost(value))
+        if self.comm is not None:
+            exchange, allreduce = self.comm
+            object.__setattr__(self, "comm", CommCost(_points(exchange), _points(allreduce)))
         if self.cut_bytes is None:
             object.__setattr__(self, "cut_bytes", tuple(float(l.activation_bytes) for l in self.layers[:-1]))
         else:
@@ -132,7 +176,7 @@ class Profile:
             return None if l is None else l._asdict()
 
         return json.dumps({
-            "format": "jpipe-profile/1", "name": self.name, "backend": self.backend,
+            "format": "jpipe-profile/2", "name": self.name, "backend": self.backend,
             "microbatch_size": self.microbatch_size, "pre": layer(self.pre),
             "layers": [layer(l) for l in self.layers], "post": layer(self.post),
             "cut_bytes": list(self.cut_bytes), "comm": None if self.comm is None else self.comm._asdict(),
@@ -141,7 +185,9 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> Profile:
         d = json.loads(text)
-        if d.get("format") != "jpipe-profile/1":
+        if d.get("format") == "jpipe-profile/1":
+            d = _from_format_1(d)
+        if d.get("format") != "jpipe-profile/2":
             raise ValueError(f"not a jpipe profile (format {d.get('format')!r}); write one with Profile.save")
         layer = lambda x: None if x is None else LayerCost(**x)  # noqa: E731
         return cls(layers=tuple(layer(l) for l in d["layers"]), microbatch_size=d["microbatch_size"],
@@ -153,6 +199,35 @@ class Profile:
         """Writes the profile as JSON; read it back with :func:`load`."""
         with open(path, "w") as f:
             f.write(self.to_json())
+
+
+def _points(points: Any) -> Points:
+    return tuple(sorted(tuple(float(v) for v in p) for p in points))
+
+
+def _layer_cost(value: Any) -> LayerCost:
+    cost = LayerCost(*value)
+    return cost._replace(curve=_points(cost.curve))
+
+
+def _from_format_1(d: dict) -> dict:
+    """A ``jpipe-profile/1`` dict in format 2: affine overheads become a point at half the batch,
+    the linear communication fit becomes two points."""
+
+    def layer(x: dict | None) -> dict | None:
+        if x is None:
+            return None
+        x = dict(x)
+        f0, b0 = x.pop("forward_overhead", 0.0), x.pop("backward_overhead", 0.0)
+        if f0 or b0:
+            x["curve"] = [(0.5, f0 + (x["forward"] - f0) / 2, b0 + (x["backward"] - b0) / 2)]
+        return x
+
+    c = d["comm"]
+    comm = None if c is None else CommCost.linear(2 * c["ppermute_latency"], 2 * c["ppermute_per_byte"],
+                                                  c["allreduce_latency"], c["allreduce_per_byte"])._asdict()
+    return {**d, "format": "jpipe-profile/2", "pre": layer(d["pre"]), "post": layer(d["post"]),
+            "layers": [layer(l) for l in d["layers"]], "comm": comm}
 
 
 def load(path: str | os.PathLike) -> Profile:
@@ -312,26 +387,36 @@ def _median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
 
 
 def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, repeats: int,
-               warmup: int) -> tuple[float, float, float]:
-    """(forward s, backward s, residual bytes) of ``forward(params, x, *rest)`` w.r.t. (params, x)."""
+               warmup: int, keep_residuals: bool = False) -> tuple[float, float, float]:
+    """(forward s, backward s, residual bytes) of ``forward(params, x, *rest)`` w.r.t. (params, x).
+
+    With ``keep_residuals`` the forward is timed as the executor's forward tick
+    runs it: ``jax.vjp``'s forward, returning the residuals the backward needs.
+    """
     import jax
     import jax.numpy as jnp
 
-    fwd = jax.jit(forward)
-    out = fwd(*args)
+    def vjp_of(a: tuple) -> tuple[Any, Any]:
+        return jax.vjp(lambda p, x: forward(p, x, *a[2:]), a[0], a[1])
+
+    def fwd_keep(*a):
+        y, vjp = vjp_of(a)
+        return y, vjp.opaque_residuals
 
     def fwd_bwd(*a):
-        y, vjp = jax.vjp(lambda p, x: forward(p, x, *a[2:]), a[0], a[1])
+        y, vjp = vjp_of(a)
         return vjp(jnp.ones_like(y) if cotangent_of is None else cotangent_of(y))
 
-    both = jax.jit(fwd_bwd)
+    fwd, both = jax.jit(fwd_keep if keep_residuals else forward), jax.jit(fwd_bwd)
     t_f = _median_time(lambda: fwd(*args), repeats, warmup)
     t_fb = _median_time(lambda: both(*args), repeats, warmup)
-    residuals = jax.eval_shape(
-        lambda p, x: jax.vjp(lambda p_, x_: forward(p_, x_, *args[2:]), p, x)[1].opaque_residuals,
-        args[0], args[1])
-    del out
+    residuals = jax.eval_shape(lambda *a: vjp_of(a)[1].opaque_residuals, *args)
     return t_f, max(t_fb - t_f, 0.0), _tree_bytes(residuals)
+
+
+# Layers are timed in a stack of (up to) this many, run by a lax.scan as a pipeline stage runs them:
+# a layer timed alone, its inputs and residuals still in cache, runs faster than within a stage.
+_STACK = 4
 
 
 def _measure(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: int,
@@ -343,42 +428,102 @@ def _measure(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: 
     params = jax.device_put(params, device)
     microbatch = jax.device_put(microbatch, device)
     pre_p, post_p = params["pre"], params["post"]
-    layer_p = jax.tree.map(lambda a: a[0], params["layers"])
+    k = min(_STACK, model.num_layers)
+    stack_p = jax.tree.map(lambda a: a[:k], params["layers"])
     hidden = jax.jit(model.embed)(pre_p, microbatch)
 
     def opt_bytes(p: Any) -> float:
         return _tree_bytes(jax.eval_shape(optimizer.init, p))
 
+    def stage(p: Any, x: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda h, pj: (model.layer_apply(pj, h), None), x, p)[0]
+
     # pre: differentiate w.r.t. its parameters only (the micro-batch is data)
     f, b, r = _time_part(lambda p, x: model.embed(p, x), (pre_p, microbatch), None, repeats, warmup)
     pre = LayerCost("pre", f, b, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p), r)
-    f, b, r = _time_part(model.layer_apply, (layer_p, hidden), None, repeats, warmup)
-    layer = LayerCost("layer", f, b, _tree_bytes(hidden), _tree_bytes(layer_p), opt_bytes(layer_p), r)
+    f, b, r = _time_part(stage, (stack_p, hidden), None, repeats, warmup, keep_residuals=True)
+    layer = LayerCost("layer", f / k, b / k, _tree_bytes(hidden), _tree_bytes(stack_p) / k,
+                      opt_bytes(stack_p) / k, r / k)
     f, b, r = _time_part(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
                          lambda y: jnp.ones_like(y), repeats, warmup)
     post = LayerCost("post", f, b, 4.0, _tree_bytes(post_p), opt_bytes(post_p), r)
     return pre, layer, post
 
 
-def _fit(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``latency + per_unit * size`` (both clamped at >= 0)."""
-    n = len(sizes)
-    mean_s, mean_t = sum(sizes) / n, sum(times) / n
-    var = sum((s - mean_s) ** 2 for s in sizes)
-    slope = sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, times)) / var if var else 0.0
-    slope = max(slope, 0.0)
-    return max(mean_t - slope * mean_s, 0.0), slope
+def _update_times(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: int, warmup: int,
+                  seed: int) -> tuple[float, float, float]:
+    """Seconds of ``optimizer.update`` + ``optax.apply_updates`` on pre's, one layer's and post's weights
+    (the layers' timed stacked, as a stage holds them, and divided by their number)."""
+    import jax
+    import optax
+
+    params = jax.device_put(model.init_stacked(jax.random.key(seed), microbatch), device)
+
+    @jax.jit
+    def step(p: Any, state: Any) -> Any:
+        updates, state = optimizer.update(p, state, p)  # any gradient of the right shape will do
+        return optax.apply_updates(p, updates), state
+
+    times = []
+    for part in ("pre", "layers", "post"):
+        p = params[part]
+        state = jax.jit(optimizer.init)(p)
+        times.append(_median_time(lambda p=p, state=state: step(p, state), repeats, warmup))
+    return times[0], times[1] / model.num_layers, times[2]
 
 
-def measure_comm(devices: Sequence[Any] | None = None, *, sizes: Sequence[int] = (1 << 14, 1 << 18, 1 << 21),
-                 repeats: int = 5, warmup: int = 2) -> CommCost | None:
-    """Measures ppermute between neighbours and all-reduce over ``devices`` (default: all).
+def _resize(tree: Any, rows: int) -> Any:
+    """``tree`` with ``rows`` rows, repeating its rows cyclically when it has fewer."""
+    import jax
+    import numpy as np
 
-    Returns ``None`` on a single device. Under ``jax.distributed`` every process
-    must call it (it runs collectives).
+    return jax.tree.map(lambda a: np.asarray(a)[np.arange(rows) % np.shape(a)[0]], tree)
+
+
+def _max_over_processes(values: list[float]) -> list[float]:
+    """Each value's maximum over the processes (all of them must call it)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    flat = np.asarray(values, np.float32)
+    return np.asarray(multihost_utils.process_allgather(flat)).reshape(-1, flat.size).max(axis=0).tolist()
+
+
+def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
+    """Under ``jax.distributed``, every time is the slowest process's (the lock-step pipeline and the
+    all-reduces wait for it), and every process gets the same profile. Every process must call it."""
+    def times(c: LayerCost) -> list[float]:
+        return [c.forward, c.backward, c.update, *(v for point in c.curve for v in point[1:])]
+
+    worst = _max_over_processes([t for c in costs for t in times(c)])
+    out = []
+    for c in costs:
+        n = 3 + 2 * len(c.curve)
+        t, worst = worst[:n], worst[n:]
+        curve = tuple((point[0], t[3 + 2 * i], t[4 + 2 * i]) for i, point in enumerate(c.curve))
+        out.append(c._replace(forward=t[0], backward=t[1], update=t[2], curve=curve))
+    return out
+
+
+def measure_comm(devices: Sequence[Any] | None = None, *,
+                 exchange_sizes: Sequence[float] = (1 << 14, 1 << 18, 1 << 21),
+                 allreduce_sizes: Sequence[float] = (1 << 14, 1 << 18, 1 << 21),
+                 ticks: int = 8, repeats: int = 5, warmup: int = 2) -> CommCost | None:
+    """Measures the executor's per-tick exchange and all-reduce over ``devices`` (default: all).
+
+    The exchange is timed as the executor runs it: a ``lax.scan`` of ``ticks``
+    ticks, each a ppermute to the next device and one to the previous,
+    ``size`` bytes each. The all-reduce is one ``psum`` of ``size`` bytes over
+    every device. Both are kept as measured points (latency on some
+    interconnects is far from linear in the size), so pass the sizes a plan
+    will use. Returns ``None`` on a single device. Under ``jax.distributed``
+    every process must call it (it runs collectives).
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -389,23 +534,30 @@ def measure_comm(devices: Sequence[Any] | None = None, *, sizes: Sequence[int] =
         return None
     mesh = Mesh(np.asarray(devices, dtype=object), ("x",))
     sharding = NamedSharding(mesh, P("x"))
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    shift = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "x", perm), mesh=mesh, in_specs=P("x"),
-                                  out_specs=P("x")))
-    reduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
-                                   out_specs=P("x")))
-    t_perm, t_ar = [], []
-    for size in sizes:
-        count = max(1, size // 4)
-        x = jax.make_array_from_callback((n * count,), sharding,
-                                         lambda idx, c=count: np.ones((c,), np.float32))
-        t_perm.append(_median_time(lambda: shift(x), repeats, warmup))
-        t_ar.append(_median_time(lambda: reduce(x), repeats, warmup))
-    del jnp
-    p_lat, p_byte = _fit(sizes, t_perm)
-    ring = [2.0 * s * (n - 1) / n for s in sizes]
-    a_lat, a_byte = _fit(ring, t_ar)
-    return CommCost(p_lat, p_byte, a_lat, a_byte)
+    forward = [(i, i + 1) for i in range(n - 1)]
+    backward = [(i + 1, i) for i in range(n - 1)]
+
+    def exchange(a: jax.Array) -> jax.Array:
+        def tick(carry: jax.Array, _: None) -> tuple[jax.Array, None]:
+            return jax.lax.ppermute(carry, "x", forward) + jax.lax.ppermute(carry, "x", backward), None
+
+        return jax.lax.scan(tick, a, None, length=ticks)[0]
+
+    shard = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                                check_vma=False))  # noqa: E731
+    run_exchange, run_allreduce = shard(exchange), shard(lambda a: jax.lax.psum(a, "x"))
+
+    def timed(fn: Callable, size: float) -> float:
+        count = max(1, int(size) // 4)
+        x = jax.make_array_from_callback((n * count,), sharding, lambda idx: np.ones((count,), np.float32))
+        return _median_time(lambda: fn(x), repeats, warmup)
+
+    exchange_sizes, allreduce_sizes = sorted(set(exchange_sizes)), sorted(set(allreduce_sizes))
+    times = [timed(run_exchange, s) / ticks for s in exchange_sizes] + [timed(run_allreduce, s) for s in allreduce_sizes]
+    times = _max_over_processes(times)  # every process plans from the same numbers
+    exchange_points = tuple((float(s), t) for s, t in zip(exchange_sizes, times))
+    allreduce_points = tuple((2.0 * s * (n - 1) / n, t) for s, t in zip(allreduce_sizes, times[len(exchange_sizes):]))
+    return CommCost(exchange_points, allreduce_points)
 
 
 def profile(
@@ -414,28 +566,34 @@ def profile(
     *,
     optimizer: Any = None,
     devices: Sequence[Any] | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
     repeats: int = 5,
     warmup: int = 2,
     comm: bool = True,
-    affine: bool = True,
     seed: int = 0,
 ) -> Profile:
-    """Measures a :class:`jpipe.Staged` model on the current backend at one micro-batch size.
+    """Measures a :class:`jpipe.Staged` model on the current backend.
 
     Per part (``pre``, one ``layer`` -- every layer is the same module -- and
     ``post`` with the loss): forward and backward seconds (median of
     ``repeats`` after ``warmup`` runs, each synchronised with
-    ``block_until_ready``), output activation, residual, parameter and
-    optimizer-state bytes (``optimizer`` default ``optax.adam``). With ``affine``
-    the compute is also timed at half the example micro-batch, so that times
-    scale affinely (a fixed per-call overhead plus a per-sample part); without,
-    they scale linearly. With ``comm``,
-    also the mesh's ppermute and all-reduce costs over ``devices``.
+    ``block_until_ready``) at the example micro-batch and at every size in
+    ``microbatch_sizes`` (default: the example's and half of it; rows are
+    repeated for sizes above the example's), so that :meth:`Profile.scaled`
+    interpolates between measured sizes instead of assuming times linear in
+    the batch; the optimizer step on each part's weights (``optimizer``
+    default ``optax.adam``); output activation, residual, parameter and
+    optimizer-state bytes. With ``comm``, also the executor's per-tick
+    exchange at each size's activation bytes and the all-reduce at the
+    gradient sizes a plan reduces, over ``devices``. Under ``jax.distributed``
+    every process must call it: each times its own first device, and every time
+    in the result is the slowest process's (a lock-step step waits for it), the
+    same profile on every process.
 
     >>> import jax.numpy as jnp, jpipe.models
     >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=3)
     >>> mb = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
-    >>> p = profile(model, mb, repeats=3, warmup=1, comm=False, affine=False)
+    >>> p = profile(model, mb, repeats=3, warmup=1, comm=False, microbatch_sizes=[8])
     >>> p.num_layers, p.microbatch_size, p.layers[0].param_bytes
     (3, 8, 1088.0)
     """
@@ -450,21 +608,25 @@ def profile(
     if len(sizes) != 1:
         raise ValueError(f"example_microbatch leaves disagree on the leading (batch) size: {sorted(sizes)}")
     (size,) = sizes
-    full = _measure(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
-    if affine and size >= 2:
-        half_mb = jax.tree.map(lambda a: a[: size // 2], example_microbatch)
-        half = _measure(model, half_mb, optimizer, local[0], repeats, warmup, seed)
-        ratio = (size // 2) / size
-
-        def affine(big: LayerCost, small: LayerCost) -> LayerCost:
-            # t(b) = t0 + k b; from t(size) and t(size/2): t0 = (t_half - ratio t_full) / (1 - ratio)
-            f0 = min(max((small.forward - ratio * big.forward) / (1 - ratio), 0.0), big.forward)
-            b0 = min(max((small.backward - ratio * big.backward) / (1 - ratio), 0.0), big.backward)
-            return big._replace(forward_overhead=f0, backward_overhead=b0)
-
-        full = tuple(affine(b, s) for b, s in zip(full, half))
-    pre, layer, post = full
+    others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
+    if microbatch_sizes is not None and any(int(s) < 1 for s in microbatch_sizes):
+        raise ValueError(f"microbatch_sizes must be >= 1, got {list(microbatch_sizes)}")
+    pre, layer, post = _measure(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
+    curves: list[list[tuple[float, float, float]]] = [[], [], []]
+    for other in others:
+        costs = _measure(model, _resize(example_microbatch, other), optimizer, local[0], repeats, warmup, seed)
+        for curve, cost in zip(curves, costs):
+            curve.append((other / size, cost.forward, cost.backward))
+    updates = _update_times(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
+    pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
+                                         for cost, u, c in zip((pre, layer, post), updates, curves)])
     layers = tuple(layer._replace(name=f"layer_{i}") for i in range(model.num_layers))
-    comm_cost = measure_comm(devices) if comm else None
+    comm_cost = None
+    if comm:
+        io = pre.param_bytes + post.param_bytes
+        comm_cost = measure_comm(
+            devices, exchange_sizes=[layer.activation_bytes * s / size for s in (size, *others)],
+            allreduce_sizes=[io, io + layer.param_bytes * model.num_layers / 2,
+                             io + layer.param_bytes * model.num_layers], repeats=repeats, warmup=warmup)
     return Profile(layers=layers, microbatch_size=int(size), pre=pre, post=post, comm=comm_cost,
                    name=type(model).__name__, backend=jax.default_backend())

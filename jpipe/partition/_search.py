@@ -144,9 +144,10 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
 
     ``profile`` is rescaled to the plan's micro-batch ``global_batch / (data x M)``;
     the step is the schedule simulator's lock-step makespan (every tick costs the
-    slowest device's action plus the two ppermutes of one micro-batch's
-    activations) plus the gradient all-reduces (stage weights over ``data``;
-    ``pre``/``post`` over ``pipe`` and then ``data``). Memory counts weights,
+    slowest device's action plus the exchange of one micro-batch's activations
+    and cotangents with the pipe neighbours) plus the gradient all-reduces
+    (``pre``/``post`` over ``pipe``, then everything over ``data``) plus the
+    optimizer update of the largest stage with ``pre`` and ``post``. Memory counts weights,
     gradients and optimizer state (stages padded to the largest, ``pre`` and
     ``post`` on every device) and the micro-batches the schedule holds.
     """
@@ -158,7 +159,7 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     hidden_bytes = layer.activation_bytes
     table = plan._generate_table()  # registered generators are validated by the test suite
     fwd, bwd = stage_costs(prof, partition)
-    per_tick = 2 * comm.ppermute_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
+    per_tick = comm.exchange_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
     sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick), mode="lockstep")
     max_layers = max(partition)
     io = [p for p in (prof.pre, prof.post) if p is not None]
@@ -168,7 +169,9 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     # the executor's end of step: one psum of pre/post gradients (and the loss) over `pipe`, then
     # one all-reduce of every gradient over `data` (one call each, whatever the number of tensors)
     reduce = _allreduce(comm, io_params, plan.pipe) + _allreduce(comm, stage_params + io_params, plan.data)
-    step = sim.makespan + reduce
+    # then every device runs the optimizer on its stage's layers and on pre and post
+    update = max_layers * layer.update + sum(p.update for p in io)
+    step = sim.makespan + reduce + update
     held = sim.peak_held
     worst = 0.0
     for s, count in enumerate(partition):
@@ -179,6 +182,30 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     memory = 2 * (stage_params + io_params) + max_layers * layer.optimizer_bytes + io_opt + worst
     bubble = float(sim.bubble_fraction)
     return Candidate(plan, float(step), bubble, float(memory), True)
+
+
+def microbatch_sizes(num_devices: int, global_batch: int, max_microbatches: int = 64) -> list[int]:
+    """Every micro-batch size :func:`search` considers: ``global_batch / (data x M)``, smallest first.
+
+    >>> microbatch_sizes(2, 16)
+    [1, 2, 4, 8, 16]
+    """
+    sizes = {global_batch // (data * m) for data in _divisors(num_devices) if global_batch % data == 0
+             for m in _divisors(global_batch // data) if m <= max_microbatches}
+    return sorted(sizes)
+
+
+def profile_sizes(num_devices: int, global_batch: int, max_microbatches: int = 64, count: int = 4) -> list[int]:
+    """At most ``count`` of :func:`microbatch_sizes`, spread from the smallest to the largest: the
+    sizes :func:`plan` profiles at (times between them are interpolated).
+
+    >>> profile_sizes(8, 64)
+    [1, 4, 16, 64]
+    """
+    sizes = microbatch_sizes(num_devices, global_batch, max_microbatches)
+    if len(sizes) <= count:
+        return sizes
+    return sorted({sizes[round(i * (len(sizes) - 1) / (count - 1))] for i in range(count)})
 
 
 def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limit: float | None = None,
@@ -278,7 +305,8 @@ def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
     if profile is None:
         mb = max(1, batch // len(devices))
         microbatch = jax.tree.map(lambda a: a[:mb], example_batch)
-        profile = measure(model, microbatch, optimizer=optimizer, devices=devices)
+        sizes = profile_sizes(len(devices), batch, max_microbatches)
+        profile = measure(model, microbatch, optimizer=optimizer, devices=devices, microbatch_sizes=sizes)
     if memory_limit is None:
         memory_limit = _device_memory(devices)
     return search(profile, len(devices), batch, memory_limit=memory_limit, schedules=schedules,
