@@ -327,6 +327,13 @@ class Executor:
                     outs.append((lane_kinds[lane], out))
                 send_act = sum((o.send_act for k, o in outs if FORWARD in k), zeros_h)
                 send_cot = sum((o.send_cot for k, o in outs if BACKWARD in k), zeros_h)
+                # Each ppermute needs only its own branch, so XLA may start the activation's right
+                # after the forward; with blocking collectives (CPU) that is a barrier in the middle
+                # of the tick at which a device's F and its neighbour's B wait for each other instead
+                # of running side by side. A zero that depends on both sends (XLA does not fold x * 0
+                # for floats) makes both wait for the whole tick.
+                both = (send_act.ravel()[0] + send_cot.ravel()[0]) * 0
+                send_act, send_cot = send_act + both, send_cot + both
                 if fwd_perm:  # every device takes part in both collectives on every tick
                     recv_act = lax.ppermute(send_act, PIPE, fwd_perm)
                     recv_cot = lax.ppermute(send_cot, PIPE, bwd_perm)

@@ -219,3 +219,24 @@ def test_split_backward_is_exact(defer, framework, remat):
 def test_virtual_stages_are_exact(framework, remat):
     plan = jpipe.Plan(4, 2, 3, schedule=breadth_first, virtual_stages=2, remat=remat, partition=(1, 1, 1, 2, 1, 1, 1, 1))
     assert_step_matches_sequential(make_model(framework, num_layers=9), plan, make_batch(12))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_tick_exchanges_only_after_all_its_compute(schedule):
+    """Neither ppermute may be scheduled between a tick's branches: CPU collectives block until the
+    neighbour arrives, so an activation sent before the backward branch makes one device's F wait
+    for the other's B (the two then run one after the other, not side by side)."""
+    import re
+
+    model = make_model("nnx")
+    batch = make_batch(16)
+    state = jpipe.init(model, jpipe.Plan(2, 1, 4, schedule=schedule), optax.sgd(0.1), batch,
+                       rng=jax.random.key(0), devices=jax.devices()[:2])
+    text = jpipe.train_step.lower(state, batch).compile().as_text()  # a scheduled module prints in order
+    bodies = [body for body in re.split(r"\n(?=\S)", text) if " collective-permute(" in body]
+    assert bodies, "no collective-permute in the compiled step"
+    for body in bodies:
+        lines = body.splitlines()
+        first_send = next(i for i, line in enumerate(lines) if " collective-permute(" in line)
+        late = [line.split("=")[0].strip() for line in lines[first_send:] if " conditional(" in line]
+        assert not late, f"branches scheduled after the first ppermute: {late}"
