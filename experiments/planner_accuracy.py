@@ -26,10 +26,14 @@ local devices instead -- the same code path, unchanged.
 
 Target (issue 5): every prediction within 25 % and the fastest plan chosen.
 
-Measured on the 2-core CPU machine (2026-12-02, quiet; each process pinned to its own core): the
-target is not met yet, but the ranking now mostly is. 12 plans, max |error| 54.6 %, Spearman rho
-0.806; the planner picks data=2 M=1 (measured 19.4 ms, spread 15.6-23.7) while the fastest measured
-is data=2 M=2 (16.6 ms, spread 14.5-20.0): within the noise, not strictly the fastest.
+Measured on the 2-core CPU machine (2026-12-03, each process pinned to its own core), three runs of
+the same code after this session's changes (profile at every micro-batch size, layers timed in a
+scanned stack, optimizer step, per-tick exchange timed in a scan, slowest process; the executor's
+exchange after all of a tick's compute): max |error| 35.0 % / 56.8 % / 55.4 %, Spearman rho
+0.928 / 0.683 / 0.676; the planner's choice was data=2 M=1 or M=2, measured 0.0-11 % slower than
+the fastest plan (the fastest in one run of three). The target is not met. Between runs the same
+plan's median moves by up to 25 % (pipe=2 M=4 1F1B: 31.5 / 39.8 / 38.5 ms) and gloo's per-tick
+exchange at the same size by up to 5x (16 KiB: 108 / 127 / 509 us; 64 KiB: 509-1982 us).
 
 History of the fixes (same script, same model):
 
@@ -41,12 +45,20 @@ History of the fixes (same script, same model):
   one call and averages everything over ``data`` in one call: data=2 measures 16-22 ms.
 - Two processes sharing two cores made a data-parallel step (both computing at once) slower than
   the profile, taken with one process computing. Each process now gets a core of its own.
+- Times were scaled linearly from micro-batch 8 and 4; a layer at 16 costs 2.4x its time at 8 on
+  this CPU. The profile now measures every size the candidates use.
+- A layer timed alone (inputs and residuals in cache) ran ~30 % faster than inside a stage's
+  scan; layers are now timed in a scanned stack of up to 4.
+- XLA scheduled the activation's ppermute between a tick's forward and backward branches; with
+  blocking gloo collectives one device's F then waited for its neighbour's B (no overlap at all):
+  pipe=2 M=8 40 -> 32 ms once fixed (a profiler trace showed it).
 
-What remains: pipe=2 plans measure 32-46 ms against 16-26 ms predicted, a roughly constant ~15-20 ms
-the cost model does not see (data=2: ~5 ms). Candidates: the optimizer update and the executor's
-per-step fixed costs (neither is profiled), and gloo's collective-permute latency inside the step
-differing from the stand-alone ppermute that ``measure_comm`` times. Next: profile one executor step
-of a trivial plan per mesh shape and add its fixed cost to the prediction.
+What remains (pipe=2 plans, measured 20-55 % above the prediction): in a profiler trace of the
+2-process pipe=2 M=8 step, a stage's forward scan of 2 layers at micro-batch 2 takes ~1.0 ms inside
+the executor against ~0.45 ms in the profile's stand-alone jit on the same processes (backward
+~1.7 ms against ~0.6 ms); with 2 simulated devices in one process the gap is 1.3-1.9x, on one
+device none. The cause (the multi-process CPU runtime inside the loop, the runtime branch on the
+device index, or both) is not found yet; the cost model does not see it.
 """
 
 from __future__ import annotations
@@ -174,17 +186,23 @@ def worker(argv: list[str], local: bool) -> None:
     # 1. profile (the micro-batch jpipe.plan profiles at: the batch split over the devices)
     t0 = time.perf_counter()
     mb = {k: v[: B // 2] for k, v in full[0].items()}
-    prof = partition.profile(model, mb, optimizer=optimizer, devices=devices, repeats=args.repeats)
+    sizes = partition.microbatch_sizes(2, B, max(args.microbatches))  # every size a candidate uses
+    prof = partition.profile(model, mb, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
+                             repeats=args.repeats)
     prof = partition.Profile.from_json(_broadcast_text(prof.to_json()))
     say(f"cluster: {mode}; GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq_len}, "
         f"global batch {B}")
-    say(f"profile ({time.perf_counter() - t0:.1f}s) at micro-batch {prof.microbatch_size}: "
-        f"pre f/b {prof.pre.forward * 1e3:.3f}/{prof.pre.backward * 1e3:.3f} ms, "
-        f"layer {prof.layers[0].forward * 1e3:.3f}/{prof.layers[0].backward * 1e3:.3f} ms, "
-        f"post {prof.post.forward * 1e3:.3f}/{prof.post.backward * 1e3:.3f} ms")
+    say(f"profile ({time.perf_counter() - t0:.1f}s), forward/backward ms by micro-batch size:")
+    for size in sizes:
+        at = prof.scaled(size)
+        say(f"  {size:>3}: pre {at.pre.forward * 1e3:.3f}/{at.pre.backward * 1e3:.3f}, "
+            f"layer {at.layers[0].forward * 1e3:.3f}/{at.layers[0].backward * 1e3:.3f}, "
+            f"post {at.post.forward * 1e3:.3f}/{at.post.backward * 1e3:.3f}")
+    say(f"optimizer update ms: pre {prof.pre.update * 1e3:.3f}, layer {prof.layers[0].update * 1e3:.3f}, "
+        f"post {prof.post.update * 1e3:.3f}")
     c = prof.comm
-    say(f"comm: ppermute {c.ppermute_latency * 1e6:.0f} us + {c.ppermute_per_byte * 1e9:.3f} ns/B, "
-        f"all-reduce {c.allreduce_latency * 1e6:.0f} us + {c.allreduce_per_byte * 1e9:.3f} ns/B")
+    say("comm: exchange per tick " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.exchange)
+        + "; all-reduce " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.allreduce))
 
     # 2. predict
     choice = partition.search(prof, 2, B, schedules=args.schedules, max_microbatches=max(args.microbatches))
