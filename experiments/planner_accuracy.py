@@ -26,14 +26,13 @@ local devices instead -- the same code path, unchanged.
 
 Target (issue 5): every prediction within 25 % and the fastest plan chosen.
 
-Measured on the 2-core CPU machine (2026-12-03, each process pinned to its own core), three runs of
-the same code after this session's changes (profile at every micro-batch size, layers timed in a
-scanned stack, optimizer step, per-tick exchange timed in a scan, slowest process; the executor's
-exchange after all of a tick's compute): max |error| 35.0 % / 56.8 % / 55.4 %, Spearman rho
-0.928 / 0.683 / 0.676; the planner's choice was data=2 M=1 or M=2, measured 0.0-11 % slower than
-the fastest plan (the fastest in one run of three). The target is not met. Between runs the same
-plan's median moves by up to 25 % (pipe=2 M=4 1F1B: 31.5 / 39.8 / 38.5 ms) and gloo's per-tick
-exchange at the same size by up to 5x (16 KiB: 108 / 127 / 509 us; 64 KiB: 509-1982 us).
+Measured on the 2-core CPU machine (2026-12-03, each process pinned to its own core). With the
+final code (the exchange timed inside computing ticks): 12 plans, max |error| 34.7 % (9 of 12
+within 25 %), Spearman rho 0.865, the planner's choice (data=2 M=2, 18.0 ms) is the fastest
+measured plan. The target is not met: pipe=2 M=4 and M=1 GPipe are 27-35 % slower than predicted.
+Three earlier runs without that last change: max |error| 35.0 / 56.8 / 55.4 %, rho 0.928 / 0.683
+/ 0.676, choice 0-11 % slower than the fastest. Between runs the same plan's median moves by up
+to 25 % (pipe=2 M=4 1F1B: 31.5 / 39.8 / 38.5 / 36.0 ms).
 
 History of the fixes (same script, same model):
 
@@ -53,7 +52,12 @@ History of the fixes (same script, same model):
   blocking gloo collectives one device's F then waited for its neighbour's B (no overlap at all):
   pipe=2 M=8 40 -> 32 ms once fixed (a profiler trace showed it).
 
-What remains (pipe=2 plans, measured 20-55 % above the prediction): in a profiler trace of the
+- A ppermute timed in a tight loop costs ~0.1 ms at 16 KiB on gloo; between two computations it
+  adds 0.4-0.7 ms to a tick, growing with the compute in between (the two processes' jitter: a
+  lock-step tick waits for the slower one). The profile now times the exchange inside computing
+  ticks (with and without it): max |error| ~55 % -> 34.7 %.
+
+What remained before that last change (pipe=2 plans, measured 20-55 % above the prediction): in a profiler trace of the
 2-process pipe=2 M=8 step, a stage's forward scan of 2 layers at micro-batch 2 takes ~1.0 ms inside
 the executor against ~0.45 ms in the profile's stand-alone jit on the same processes (backward
 ~1.7 ms against ~0.6 ms); with 2 simulated devices in one process the gap is 1.3-1.9x, on one
@@ -201,7 +205,7 @@ def worker(argv: list[str], local: bool) -> None:
     say(f"optimizer update ms: pre {prof.pre.update * 1e3:.3f}, layer {prof.layers[0].update * 1e3:.3f}, "
         f"post {prof.post.update * 1e3:.3f}")
     c = prof.comm
-    say("comm: exchange per tick " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.exchange)
+    say("comm: exchange added to a computing tick " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.exchange)
         + "; all-reduce " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.allreduce))
 
     # 2. predict

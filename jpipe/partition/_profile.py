@@ -509,6 +509,48 @@ def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
     return out
 
 
+def _exchange_under_load(model: Any, microbatch: Any, devices: Sequence[Any], repeats: int, warmup: int,
+                         seed: int, ticks: int = 8) -> tuple[float, float]:
+    """(bytes, seconds): what one tick's exchange of ``microbatch``'s activations adds to a tick that
+    also computes -- a scan of ticks each running a stage's forward on every device, timed with and
+    without the two ppermutes. Between computations an exchange can cost much more than in a tight
+    loop of ppermutes (gloo on CPU: ~0.5 ms against ~0.1 ms at 16 KiB), and that is what a pipeline
+    tick pays."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices, dtype=object), ("x",))
+    params = model.init_stacked(jax.random.key(seed), microbatch)
+    stack = jax.tree.map(lambda a: a[:min(_STACK, model.num_layers)], params["layers"])
+    hidden = jax.eval_shape(model.embed, params["pre"], microbatch)
+    forward = [(i, i + 1) for i in range(n - 1)]
+    backward = [(i + 1, i) for i in range(n - 1)]
+
+    def run(exchange: bool) -> Callable:
+        def loop(p: Any, h: jax.Array) -> jax.Array:
+            def tick(c: jax.Array, _: None) -> tuple[jax.Array, None]:
+                c = jax.lax.scan(lambda x, pj: (model.layer_apply(pj, x), None), c, p)[0]
+                if exchange:
+                    c = jax.lax.ppermute(c, "x", forward) + jax.lax.ppermute(c, "x", backward)
+                return c, None
+
+            return jax.lax.scan(tick, h, None, length=ticks)[0]
+
+        return jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"), check_vma=False))
+
+    stack = jax.device_put(stack, NamedSharding(mesh, P()))
+    h = jax.make_array_from_callback((n * hidden.shape[0], *hidden.shape[1:]), NamedSharding(mesh, P("x")),
+                                     lambda idx: np.ones(hidden.shape, hidden.dtype))
+    with_exchange, without = run(True), run(False)
+    t_with = _median_time(lambda: with_exchange(stack, h), repeats, warmup)
+    t_without = _median_time(lambda: without(stack, h), repeats, warmup)
+    (seconds,) = _max_over_processes([max(t_with - t_without, 0.0) / ticks])
+    return _tree_bytes(hidden), seconds
+
+
 def measure_comm(devices: Sequence[Any] | None = None, *,
                  exchange_sizes: Sequence[float] = (1 << 14, 1 << 18, 1 << 21),
                  allreduce_sizes: Sequence[float] = (1 << 14, 1 << 18, 1 << 21),
@@ -583,9 +625,10 @@ def profile(
     interpolates between measured sizes instead of assuming times linear in
     the batch; the optimizer step on each part's weights (``optimizer``
     default ``optax.adam``); output activation, residual, parameter and
-    optimizer-state bytes. With ``comm``, also the executor's per-tick
-    exchange at each size's activation bytes and the all-reduce at the
-    gradient sizes a plan reduces, over ``devices``. Under ``jax.distributed``
+    optimizer-state bytes. With ``comm``, also, over ``devices``, what a tick's
+    exchange of each size's activations adds to a tick that runs a stage's
+    forward (a scan of ticks timed with and without the ppermutes), and the
+    all-reduce at the gradient sizes a plan reduces. Under ``jax.distributed``
     every process must call it: each times its own first device, and every time
     in the result is the slowest process's (a lock-step step waits for it), the
     same profile on every process.
@@ -622,11 +665,14 @@ def profile(
                                          for cost, u, c in zip((pre, layer, post), updates, curves)])
     layers = tuple(layer._replace(name=f"layer_{i}") for i in range(model.num_layers))
     comm_cost = None
-    if comm:
+    if comm and len(devices) > 1:
         io = pre.param_bytes + post.param_bytes
         comm_cost = measure_comm(
-            devices, exchange_sizes=[layer.activation_bytes * s / size for s in (size, *others)],
-            allreduce_sizes=[io, io + layer.param_bytes * model.num_layers / 2,
-                             io + layer.param_bytes * model.num_layers], repeats=repeats, warmup=warmup)
+            devices, exchange_sizes=[], allreduce_sizes=[io, io + layer.param_bytes * model.num_layers / 2,
+                                                         io + layer.param_bytes * model.num_layers],
+            repeats=repeats, warmup=warmup)
+        exchange = [_exchange_under_load(model, _resize(example_microbatch, s), devices, repeats, warmup, seed)
+                    for s in (size, *others)]
+        comm_cost = comm_cost._replace(exchange=_points(exchange))
     return Profile(layers=layers, microbatch_size=int(size), pre=pre, post=post, comm=comm_cost,
                    name=type(model).__name__, backend=jax.default_backend())
