@@ -332,9 +332,9 @@ class Executor:
                 # of the tick at which a device's F and its neighbour's B wait for each other instead
                 # of running side by side. A zero that depends on both sends (XLA does not fold x * 0
                 # for floats) makes both wait for the whole tick.
-                both = (send_act.ravel()[0] + send_cot.ravel()[0]) * 0
-                send_act, send_cot = send_act + both, send_cot + both
                 if fwd_perm:  # every device takes part in both collectives on every tick
+                    both = (send_act.ravel()[0] + send_cot.ravel()[0]) * 0
+                    send_act, send_cot = send_act + both, send_cot + both
                     recv_act = lax.ppermute(send_act, PIPE, fwd_perm)
                     recv_cot = lax.ppermute(send_cot, PIPE, bwd_perm)
                 else:

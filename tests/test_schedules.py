@@ -691,11 +691,11 @@ def test_ascii_gantt_chunks() -> None:
     """With chunks a cell also names the chunk (``F0/1``)."""
     table = table_from_orders(interleaved_orders(2, 2, 2), 2, num_chunks=2, name="il")
     # Timed by hand: stage 2 (device 0, chunk 1) waits for stage 1 on device 1, and so on.
-    assert ascii_gantt(table) == "\n".join([
-        "il: 2 devices, 2 micro-batches, 10 ticks",
-        "d0 | F0/0 F1/0 F0/1 F1/1 .    .    B0/1 B1/1 B0/0 B1/0",
-        "d1 | .    F0/0 F1/0 F0/1 F1/1 B0/1 B1/1 B0/0 B1/0 .",
-    ])
+    assert ascii_gantt(table) == (
+        "il: 2 devices, 2 micro-batches, 10 ticks\n"
+        "d0 | F0/0 F1/0 F0/1 F1/1 .    .    B0/1 B1/1 B0/0 B1/0\n"
+        "d1 | .    F0/0 F1/0 F0/1 F1/1 B0/1 B1/1 B0/0 B1/0 ."
+    )
 
 
 def test_table_repr() -> None:

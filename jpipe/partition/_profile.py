@@ -16,7 +16,6 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-
 Points = tuple[tuple[float, ...], ...]
 
 
@@ -34,6 +33,8 @@ def interpolate(points: Sequence[Sequence[float]], x: float, column: int = 1) ->
         i += 1
     (x0, *r0), (x1, *r1) = points[i - 1], points[i]
     y0, y1 = r0[column - 1], r1[column - 1]
+    if x == x1:  # a measured point is read as measured, without rounding
+        return max(0.0, float(y1))
     return max(0.0, float(y0 + (y1 - y0) * (x - x0) / (x1 - x0)))
 
 
@@ -100,7 +101,7 @@ class CommCost(NamedTuple):
     def linear(cls, exchange_latency: float, exchange_per_byte: float, allreduce_latency: float,
                allreduce_per_byte: float) -> CommCost:
         """Latency + bytes x per-byte, for both."""
-        line = lambda lat, per: ((0.0, lat), (1e9, lat + per * 1e9))  # noqa: E731
+        line = lambda lat, per: ((0.0, lat), (1e9, lat + per * 1e9))
         return cls(line(exchange_latency, exchange_per_byte), line(allreduce_latency, allreduce_per_byte))
 
     def exchange_time(self, size: float) -> float:
@@ -164,7 +165,7 @@ class Profile:
     def scaled(self, microbatch_size: float) -> Profile:
         """The same model at another micro-batch size (times affine, bytes linear in the batch)."""
         factor = microbatch_size / self.microbatch_size
-        scale = lambda l: None if l is None else l.scaled(factor)  # noqa: E731
+        scale = lambda l: None if l is None else l.scaled(factor)
         return dataclasses.replace(
             self, layers=tuple(l.scaled(factor) for l in self.layers), pre=scale(self.pre),
             post=scale(self.post), cut_bytes=tuple(c * factor for c in self.cut_bytes),
@@ -189,7 +190,7 @@ class Profile:
             d = _from_format_1(d)
         if d.get("format") != "jpipe-profile/2":
             raise ValueError(f"not a jpipe profile (format {d.get('format')!r}); write one with Profile.save")
-        layer = lambda x: None if x is None else LayerCost(**x)  # noqa: E731
+        layer = lambda x: None if x is None else LayerCost(**x)
         return cls(layers=tuple(layer(l) for l in d["layers"]), microbatch_size=d["microbatch_size"],
                    pre=layer(d["pre"]), post=layer(d["post"]),
                    comm=None if d["comm"] is None else CommCost(**d["comm"]),
@@ -419,6 +420,13 @@ def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, re
 _STACK = 4
 
 
+def _stack_forward(model: Any) -> Callable[[Any, Any], Any]:
+    """``f(stacked layer params, x) -> y``: the layers in a ``lax.scan``, as a stage runs them."""
+    import jax
+
+    return lambda p, x: jax.lax.scan(lambda h, pj: (model.layer_apply(pj, h), None), x, p)[0]
+
+
 def _measure(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: int,
              warmup: int, seed: int) -> tuple[LayerCost, LayerCost, LayerCost]:
     import jax
@@ -435,13 +443,10 @@ def _measure(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: 
     def opt_bytes(p: Any) -> float:
         return _tree_bytes(jax.eval_shape(optimizer.init, p))
 
-    def stage(p: Any, x: jax.Array) -> jax.Array:
-        return jax.lax.scan(lambda h, pj: (model.layer_apply(pj, h), None), x, p)[0]
-
     # pre: differentiate w.r.t. its parameters only (the micro-batch is data)
     f, b, r = _time_part(lambda p, x: model.embed(p, x), (pre_p, microbatch), None, repeats, warmup)
     pre = LayerCost("pre", f, b, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p), r)
-    f, b, r = _time_part(stage, (stack_p, hidden), None, repeats, warmup, keep_residuals=True)
+    f, b, r = _time_part(_stack_forward(model), (stack_p, hidden), None, repeats, warmup, keep_residuals=True)
     layer = LayerCost("layer", f / k, b / k, _tree_bytes(hidden), _tree_bytes(stack_p) / k,
                       opt_bytes(stack_p) / k, r / k)
     f, b, r = _time_part(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
@@ -528,11 +533,12 @@ def _exchange_under_load(model: Any, microbatch: Any, devices: Sequence[Any], re
     hidden = jax.eval_shape(model.embed, params["pre"], microbatch)
     forward = [(i, i + 1) for i in range(n - 1)]
     backward = [(i + 1, i) for i in range(n - 1)]
+    stage = _stack_forward(model)
 
     def run(exchange: bool) -> Callable:
         def loop(p: Any, h: jax.Array) -> jax.Array:
             def tick(c: jax.Array, _: None) -> tuple[jax.Array, None]:
-                c = jax.lax.scan(lambda x, pj: (model.layer_apply(pj, x), None), c, p)[0]
+                c = stage(p, c)
                 if exchange:
                     c = jax.lax.ppermute(c, "x", forward) + jax.lax.ppermute(c, "x", backward)
                 return c, None
@@ -586,7 +592,7 @@ def measure_comm(devices: Sequence[Any] | None = None, *,
         return jax.lax.scan(tick, a, None, length=ticks)[0]
 
     shard = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                                                check_vma=False))  # noqa: E731
+                                                check_vma=False))
     run_exchange, run_allreduce = shard(exchange), shard(lambda a: jax.lax.psum(a, "x"))
 
     def timed(fn: Callable, size: float) -> float:
@@ -651,9 +657,9 @@ def profile(
     if len(sizes) != 1:
         raise ValueError(f"example_microbatch leaves disagree on the leading (batch) size: {sorted(sizes)}")
     (size,) = sizes
-    others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
     if microbatch_sizes is not None and any(int(s) < 1 for s in microbatch_sizes):
         raise ValueError(f"microbatch_sizes must be >= 1, got {list(microbatch_sizes)}")
+    others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
     pre, layer, post = _measure(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
     curves: list[list[tuple[float, float, float]]] = [[], [], []]
     for other in others:
@@ -667,12 +673,13 @@ def profile(
     comm_cost = None
     if comm and len(devices) > 1:
         io = pre.param_bytes + post.param_bytes
-        comm_cost = measure_comm(
+        allreduce = measure_comm(
             devices, exchange_sizes=[], allreduce_sizes=[io, io + layer.param_bytes * model.num_layers / 2,
                                                          io + layer.param_bytes * model.num_layers],
-            repeats=repeats, warmup=warmup)
+            repeats=repeats, warmup=warmup).allreduce
+        # the exchange as a computing tick pays it, not measure_comm's tight loop of ppermutes
         exchange = [_exchange_under_load(model, _resize(example_microbatch, s), devices, repeats, warmup, seed)
                     for s in (size, *others)]
-        comm_cost = comm_cost._replace(exchange=_points(exchange))
+        comm_cost = CommCost(_points(exchange), allreduce)
     return Profile(layers=layers, microbatch_size=int(size), pre=pre, post=post, comm=comm_cost,
                    name=type(model).__name__, backend=jax.default_backend())
