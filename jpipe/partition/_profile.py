@@ -371,7 +371,28 @@ def _tree_bytes(tree: Any) -> float:
     return float(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+def robust_mean(samples: Sequence[float]) -> float:
+    """The mean of ``samples`` without gross outliers (those above twice the median).
+
+    The mean, not the median: a step's time is the sum of its parts' and only
+    means add up. On a shared machine a part's time is a skewed, even quantised
+    variable (with CPU collectives a blocked thread resumes at the scheduler's
+    next 4 ms tick), and the median of such a sample snaps between levels, so
+    a sum of medians misses the step's mean. Samples above twice the median
+    (a garbage collection, another program) are dropped.
+
+    >>> robust_mean([1.0, 1.0, 2.0, 1.0, 9.0])
+    1.25
+    """
+    if not samples:
+        raise ValueError("robust_mean needs at least one sample")
+    ordered = sorted(samples)
+    median = ordered[len(ordered) // 2]
+    kept = [t for t in ordered if t <= 2 * median]
+    return sum(kept) / len(kept)
+
+
+def _mean_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     import time
 
     import jax
@@ -383,8 +404,7 @@ def _median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return robust_mean(times)
 
 
 def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, repeats: int,
@@ -409,8 +429,8 @@ def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, re
         return vjp(jnp.ones_like(y) if cotangent_of is None else cotangent_of(y))
 
     fwd, both = jax.jit(fwd_keep if keep_residuals else forward), jax.jit(fwd_bwd)
-    t_f = _median_time(lambda: fwd(*args), repeats, warmup)
-    t_fb = _median_time(lambda: both(*args), repeats, warmup)
+    t_f = _mean_time(lambda: fwd(*args), repeats, warmup)
+    t_fb = _mean_time(lambda: both(*args), repeats, warmup)
     residuals = jax.eval_shape(lambda *a: vjp_of(a)[1].opaque_residuals, *args)
     return t_f, max(t_fb - t_f, 0.0), _tree_bytes(residuals)
 
@@ -473,7 +493,7 @@ def _update_times(model: Any, microbatch: Any, optimizer: Any, device: Any, repe
     for part in ("pre", "layers", "post"):
         p = params[part]
         state = jax.jit(optimizer.init)(p)
-        times.append(_median_time(lambda p=p, state=state: step(p, state), repeats, warmup))
+        times.append(_mean_time(lambda p=p, state=state: step(p, state), repeats, warmup))
     return times[0], times[1] / model.num_layers, times[2]
 
 
@@ -551,8 +571,8 @@ def _exchange_under_load(model: Any, microbatch: Any, devices: Sequence[Any], re
     h = jax.make_array_from_callback((n * hidden.shape[0], *hidden.shape[1:]), NamedSharding(mesh, P("x")),
                                      lambda idx: np.ones(hidden.shape, hidden.dtype))
     with_exchange, without = run(True), run(False)
-    t_with = _median_time(lambda: with_exchange(stack, h), repeats, warmup)
-    t_without = _median_time(lambda: without(stack, h), repeats, warmup)
+    t_with = _mean_time(lambda: with_exchange(stack, h), repeats, warmup)
+    t_without = _mean_time(lambda: without(stack, h), repeats, warmup)
     (seconds,) = _max_over_processes([max(t_with - t_without, 0.0) / ticks])
     return _tree_bytes(hidden), seconds
 
@@ -598,7 +618,7 @@ def measure_comm(devices: Sequence[Any] | None = None, *,
     def timed(fn: Callable, size: float) -> float:
         count = max(1, int(size) // 4)
         x = jax.make_array_from_callback((n * count,), sharding, lambda idx: np.ones((count,), np.float32))
-        return _median_time(lambda: fn(x), repeats, warmup)
+        return _mean_time(lambda: fn(x), repeats, warmup)
 
     exchange_sizes, allreduce_sizes = sorted(set(exchange_sizes)), sorted(set(allreduce_sizes))
     times = [timed(run_exchange, s) / ticks for s in exchange_sizes] + [timed(run_allreduce, s) for s in allreduce_sizes]
@@ -623,7 +643,7 @@ def profile(
     """Measures a :class:`jpipe.Staged` model on the current backend.
 
     Per part (``pre``, one ``layer`` -- every layer is the same module -- and
-    ``post`` with the loss): forward and backward seconds (median of
+    ``post`` with the loss): forward and backward seconds (:func:`robust_mean` of
     ``repeats`` after ``warmup`` runs, each synchronised with
     ``block_until_ready``) at the example micro-batch and at every size in
     ``microbatch_sizes`` (default: the example's and half of it; rows are
