@@ -25,6 +25,7 @@ from jpipe.partition import (
     evaluate,
     load,
     read_graph_profile,
+    robust_line,
     search,
     stage_costs,
 )
@@ -360,3 +361,15 @@ def test_step_prediction_adds_the_largest_stage_optimizer_step():
     plan = Plan(2, 1, 4, partition=(2, 4))
     extra = evaluate(with_update, plan, 16).step_time - evaluate(without, plan, 16).step_time
     assert extra == pytest.approx(4 * 1e-4 + 2 * 3e-4)   # 4 layers on the larger stage, pre and post on each
+
+
+def test_robust_line_ignores_one_wild_point_that_least_squares_follows():
+    xs = [8e3, 16e3, 32e3, 64e3, 128e3]
+    ys = [2e-4 + 1e-8 * x for x in xs]
+    ys[1] = 3.4e-3  # one exchange timed during a hiccup (a real profile on the 2-core machine)
+    intercept, slope = robust_line(list(zip(xs, ys)))
+    assert intercept == pytest.approx(2e-4) and slope == pytest.approx(1e-8)
+    ls_slope, ls_intercept = np.polyfit(xs, ys, 1)
+    assert abs(ls_intercept - 2e-4) > 5e-4  # what a least-squares line would have read
+    with pytest.raises(ValueError, match="two or more distinct x"):
+        robust_line([(1.0, 2.0), (1.0, 3.0)])

@@ -25,6 +25,7 @@ from jpipe.partition._profile import (
     profile,
     read_graph,
     read_graph_profile,
+    robust_line,
     robust_mean,
 )
 from jpipe.partition._search import (
@@ -44,6 +45,6 @@ __all__ = [
     "Candidate", "Cluster", "CommCost", "DapplePlan", "GraphNode", "LayerCost", "Latency", "PlanChoice",
     "Profile", "Stage", "balanced_partition", "dapple_latency", "dapple_plan", "evaluate",
     "format_candidates", "load", "measure_comm", "microbatch_sizes", "plan", "profile", "profile_sizes",
-    "read_graph", "read_graph_profile", "robust_mean",
+    "read_graph", "read_graph_profile", "robust_line", "robust_mean",
     "search", "stage_costs",
 ]

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -392,19 +393,44 @@ def robust_mean(samples: Sequence[float]) -> float:
     return sum(kept) / len(kept)
 
 
-def _mean_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+def robust_line(points: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the Theil-Sen line through ``(x, y)`` points: the median of the
+    pairwise slopes, then the median intercept. One wild point in three or more moves it little,
+    where a least-squares line would follow it.
+
+    >>> robust_line([(1, 1.0), (2, 2.0), (3, 30.0), (4, 4.0), (5, 5.0)])
+    (0.0, 1.0)
+    """
+    pts = [(float(x), float(y)) for x, y in points]
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        raise ValueError(f"a line needs points at two or more distinct x, got {pts}")
+    slopes = sorted((y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(pts) for x1, y1 in pts[i + 1:]
+                    if x1 != x0)
+    slope = statistics.median(slopes)
+    return statistics.median(y - slope * x for x, y in pts), slope
+
+
+def _mean_times(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int) -> list[float]:
+    """:func:`robust_mean` seconds of each of ``fns``, timed in turns so that a change in the
+    machine's speed hits them alike."""
     import time
 
     import jax
 
     for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
+        for fn in fns:
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return robust_mean(times)
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            out.append(time.perf_counter() - start)
+    return [robust_mean(t) for t in times]
+
+
+def _mean_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    return _mean_times([fn], repeats, warmup)[0]
 
 
 def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, repeats: int,
@@ -571,8 +597,7 @@ def _exchange_under_load(model: Any, microbatch: Any, devices: Sequence[Any], re
     h = jax.make_array_from_callback((n * hidden.shape[0], *hidden.shape[1:]), NamedSharding(mesh, P("x")),
                                      lambda idx: np.ones(hidden.shape, hidden.dtype))
     with_exchange, without = run(True), run(False)
-    t_with = _mean_time(lambda: with_exchange(stack, h), repeats, warmup)
-    t_without = _mean_time(lambda: without(stack, h), repeats, warmup)
+    t_with, t_without = _mean_times([lambda: with_exchange(stack, h), lambda: without(stack, h)], repeats, warmup)
     (seconds,) = _max_over_processes([max(t_with - t_without, 0.0) / ticks])
     return _tree_bytes(hidden), seconds
 
@@ -653,7 +678,8 @@ def profile(
     default ``optax.adam``); output activation, residual, parameter and
     optimizer-state bytes. With ``comm``, also, over ``devices``, what a tick's
     exchange of each size's activations adds to a tick that runs a stage's
-    forward (a scan of ticks timed with and without the ppermutes), and the
+    forward (a scan of ticks timed with and without the ppermutes, in turns; with
+    three sizes or more, read off a :func:`robust_line` through them), and the
     all-reduce at the gradient sizes a plan reduces. Under ``jax.distributed``
     every process must call it: each times its own first device, and every time
     in the result is the slowest process's (a lock-step step waits for it), the
@@ -700,6 +726,9 @@ def profile(
         # the exchange as a computing tick pays it, not measure_comm's tight loop of ppermutes
         exchange = [_exchange_under_load(model, _resize(example_microbatch, s), devices, repeats, warmup, seed)
                     for s in (size, *others)]
+        if len(exchange) >= 3:  # each size is a difference of two noisy times: read them off a robust line
+            a, b = robust_line(exchange)
+            exchange = [(x, max(0.0, a + b * x)) for x, _ in exchange]
         comm_cost = CommCost(_points(exchange), allreduce)
     return Profile(layers=layers, microbatch_size=int(size), pre=pre, post=post, comm=comm_cost,
                    name=type(model).__name__, backend=jax.default_backend())
