@@ -369,7 +369,7 @@ def test_robust_line_ignores_one_wild_point_that_least_squares_follows():
     ys[1] = 3.4e-3  # one exchange timed during a hiccup (a real profile on the 2-core machine)
     intercept, slope = robust_line(list(zip(xs, ys)))
     assert intercept == pytest.approx(2e-4) and slope == pytest.approx(1e-8)
-    ls_slope, ls_intercept = np.polyfit(xs, ys, 1)
+    _, ls_intercept = np.polyfit(xs, ys, 1)
     assert abs(ls_intercept - 2e-4) > 5e-4  # what a least-squares line would have read
     with pytest.raises(ValueError, match="two or more distinct x"):
         robust_line([(1.0, 2.0), (1.0, 3.0)])
