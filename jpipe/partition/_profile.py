@@ -410,9 +410,10 @@ def robust_line(points: Sequence[Sequence[float]]) -> tuple[float, float]:
     return statistics.median(y - slope * x for x, y in pts), slope
 
 
-def _mean_times(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int) -> list[float]:
-    """:func:`robust_mean` seconds of each of ``fns``, timed in turns so that a change in the
-    machine's speed hits them alike."""
+def _mean_times(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int, block: int = 5) -> list[float]:
+    """:func:`robust_mean` seconds of each of ``fns`` over ``repeats`` calls, timed in blocks of
+    ``block`` calls, the functions in turns, so that a drift in the machine's speed hits them alike.
+    Each block starts with one untimed call: the first call after another function's runs cold."""
     import time
 
     import jax
@@ -421,23 +422,26 @@ def _mean_times(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int) -> 
         for fn in fns:
             jax.block_until_ready(fn())
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
+    while len(times[0]) < repeats:
         for fn, out in zip(fns, times):
-            start = time.perf_counter()
             jax.block_until_ready(fn())
-            out.append(time.perf_counter() - start)
+            for _ in range(min(block, repeats - len(out))):
+                start = time.perf_counter()
+                jax.block_until_ready(fn())
+                out.append(time.perf_counter() - start)
     return [robust_mean(t) for t in times]
 
 
 def _mean_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
-    return _mean_times([fn], repeats, warmup)[0]
+    return _mean_times([fn], repeats, warmup, block=repeats)[0]
 
 
-def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, repeats: int,
-               warmup: int, keep_residuals: bool = False) -> tuple[float, float, float]:
-    """(forward s, backward s, residual bytes) of ``forward(params, x, *rest)`` w.r.t. (params, x).
+def _part_runs(forward: Callable, args: tuple, cotangent_of: Callable | None,
+               keep_residuals: bool = False) -> tuple[Callable[[], Any], Callable[[], Any], float]:
+    """(run the forward, run forward + backward, residual bytes) of ``forward(params, x, *rest)``
+    w.r.t. (params, x): two jitted calls to time, and what the backward keeps.
 
-    With ``keep_residuals`` the forward is timed as the executor's forward tick
+    With ``keep_residuals`` the forward runs as the executor's forward tick
     runs it: ``jax.vjp``'s forward, returning the residuals the backward needs.
     """
     import jax
@@ -455,10 +459,8 @@ def _time_part(forward: Callable, args: tuple, cotangent_of: Callable | None, re
         return vjp(jnp.ones_like(y) if cotangent_of is None else cotangent_of(y))
 
     fwd, both = jax.jit(fwd_keep if keep_residuals else forward), jax.jit(fwd_bwd)
-    t_f = _mean_time(lambda: fwd(*args), repeats, warmup)
-    t_fb = _mean_time(lambda: both(*args), repeats, warmup)
     residuals = jax.eval_shape(lambda *a: vjp_of(a)[1].opaque_residuals, *args)
-    return t_f, max(t_fb - t_f, 0.0), _tree_bytes(residuals)
+    return (lambda: fwd(*args)), (lambda: both(*args)), _tree_bytes(residuals)
 
 
 # Layers are timed in a stack of (up to) this many, run by a lax.scan as a pipeline stage runs them:
@@ -473,8 +475,17 @@ def _stack_forward(model: Any) -> Callable[[Any, Any], Any]:
     return lambda p, x: jax.lax.scan(lambda h, pj: (model.layer_apply(pj, h), None), x, p)[0]
 
 
-def _measure(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: int,
-             warmup: int, seed: int) -> tuple[LayerCost, LayerCost, LayerCost]:
+class _Part(NamedTuple):
+    """A part of the model ready to time: its sizes (times 0), two runs, and how many layers it holds."""
+
+    cost: LayerCost
+    forward: Callable[[], Any]
+    forward_backward: Callable[[], Any]
+    layers: int
+
+
+def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> tuple[_Part, _Part, _Part]:
+    """``pre``, a stack of (up to) ``_STACK`` layers and ``post`` with the loss, at ``microbatch``."""
     import jax
     import jax.numpy as jnp
 
@@ -490,15 +501,23 @@ def _measure(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: 
         return _tree_bytes(jax.eval_shape(optimizer.init, p))
 
     # pre: differentiate w.r.t. its parameters only (the micro-batch is data)
-    f, b, r = _time_part(lambda p, x: model.embed(p, x), (pre_p, microbatch), None, repeats, warmup)
-    pre = LayerCost("pre", f, b, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p), r)
-    f, b, r = _time_part(_stack_forward(model), (stack_p, hidden), None, repeats, warmup, keep_residuals=True)
-    layer = LayerCost("layer", f / k, b / k, _tree_bytes(hidden), _tree_bytes(stack_p) / k,
-                      opt_bytes(stack_p) / k, r / k)
-    f, b, r = _time_part(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
-                         lambda y: jnp.ones_like(y), repeats, warmup)
-    post = LayerCost("post", f, b, 4.0, _tree_bytes(post_p), opt_bytes(post_p), r)
+    f, fb, r = _part_runs(lambda p, x: model.embed(p, x), (pre_p, microbatch), None)
+    pre = _Part(LayerCost("pre", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p), r), f, fb, 1)
+    f, fb, r = _part_runs(_stack_forward(model), (stack_p, hidden), None, keep_residuals=True)
+    layer = _Part(LayerCost("layer", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(stack_p) / k,
+                            opt_bytes(stack_p) / k, r / k), f, fb, k)
+    f, fb, r = _part_runs(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
+                          lambda y: jnp.ones_like(y))
+    post = _Part(LayerCost("post", 0.0, 0.0, 4.0, _tree_bytes(post_p), opt_bytes(post_p), r), f, fb, 1)
     return pre, layer, post
+
+
+def _timed(parts: Sequence[_Part], repeats: int, warmup: int) -> list[LayerCost]:
+    """Every part's per-layer forward and backward seconds, the runs timed in turns, a few calls each
+    (a machine whose speed drifts over seconds then bends no size's time against the others')."""
+    times = _mean_times([run for part in parts for run in (part.forward, part.forward_backward)], repeats, warmup)
+    return [part.cost._replace(forward=t_f / part.layers, backward=max(t_fb - t_f, 0.0) / part.layers)
+            for part, t_f, t_fb in zip(parts, times[::2], times[1::2])]
 
 
 def _update_times(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: int, warmup: int,
@@ -670,7 +689,10 @@ def profile(
     Per part (``pre``, one ``layer`` -- every layer is the same module -- and
     ``post`` with the loss): forward and backward seconds (:func:`robust_mean` of
     ``repeats`` after ``warmup`` runs, each synchronised with
-    ``block_until_ready``) at the example micro-batch and at every size in
+    ``block_until_ready``; every part at every size timed in turns, a few calls
+    at a time, so that a drift in the machine's speed does not bend the curve
+    over the sizes) at
+    the example micro-batch and at every size in
     ``microbatch_sizes`` (default: the example's and half of it; rows are
     repeated for sizes above the example's), so that :meth:`Profile.scaled`
     interpolates between measured sizes instead of assuming times linear in
@@ -706,12 +728,15 @@ def profile(
     if microbatch_sizes is not None and any(int(s) < 1 for s in microbatch_sizes):
         raise ValueError(f"microbatch_sizes must be >= 1, got {list(microbatch_sizes)}")
     others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
-    pre, layer, post = _measure(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
+    parts = [_parts(model, mb, optimizer, local[0], seed)
+             for mb in (example_microbatch, *(_resize(example_microbatch, other) for other in others))]
+    costs = _timed([part for at_size in parts for part in at_size], repeats, warmup)
+    pre, layer, post = costs[:3]
     curves: list[list[tuple[float, float, float]]] = [[], [], []]
-    for other in others:
-        costs = _measure(model, _resize(example_microbatch, other), optimizer, local[0], repeats, warmup, seed)
-        for curve, cost in zip(curves, costs):
+    for i, other in enumerate(others, 1):
+        for curve, cost in zip(curves, costs[3 * i:3 * i + 3]):
             curve.append((other / size, cost.forward, cost.backward))
+    del parts
     updates = _update_times(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
     pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
                                          for cost, u, c in zip((pre, layer, post), updates, curves)])
