@@ -55,15 +55,16 @@ wake: a standalone pipe=2 M=4 step 39.4 -> 24.6 ms mean (60 steps, spread 25-52 
 data=2 M=2 18.6 -> 12.9 ms, the profiled all-reduce ~4.3 -> ~0.5 ms. The profile now times every
 part at every size in turns (blocks of 5 calls) and the exchange with and without in turns, read
 off a Theil-Sen line over the sizes (``partition.robust_line``: one hiccup had made 16 KiB cost
-3.4 ms and M=8 predicted 80 ms); each round starts every plan with an untimed step. Six runs:
-max |error| 19.4 / 31.1 / 32.6 / 28.4 / 35.4 / 29.1 %, within 25 %: 12 / 11 / 9 / 11 / 6 / 10 of
-12, rho 0.88 / 0.92 / 0.87 / 0.78 / 0.75 / 0.82; the choice (data=2 M=1 or M=2) the fastest in
-1 run and within 0.3-5 % -- a tie inside two standard errors -- in the others. What is left is
-the machine's speed between profile and measurement: the speed probe runs 1-35 % slower during
-the measurement than right after the profile (+15.7 / +35.1 / +15.4 % in the last three runs,
-every error then negative); scaled by that drift, every prediction of those three runs is within
-17.2 / 22.9 / 23.1 %. The probe's slowdown is not starvation (during the rounds the normal-priority
-threads use ~6 % of a core) and its cause is not found.
+3.4 ms and M=8 predicted 80 ms); each round starts every plan with an untimed step. Seven runs:
+max |error| 19.4 / 31.1 / 32.6 / 28.4 / 35.4 / 29.1 / 22.2 %, within 25 %: 12 / 11 / 9 / 11 / 6 /
+10 / 12 of 12, rho 0.88 / 0.92 / 0.87 / 0.78 / 0.75 / 0.82 / 0.94; the choice (data=2 M=1 or M=2)
+the fastest in 1 run and within 0.3-7 % -- a tie inside two standard errors -- in the others.
+What is left is the machine's speed between profile and measurement: the speed probe runs 1-35 %
+slower during the measurement than right after the profile (+15.7 / +35.1 / +15.4 / +5.8 % in the
+last four runs, the errors then mostly negative); scaled by that drift, every prediction of those
+runs is within 17.2 / 22.9 / 23.1 / 17.7 %. The probe itself varies 4.4-6.1 ms back to back, and
+its slowdown is not starvation (during the rounds the normal-priority threads use ~6 % of a core);
+its cause is not found.
 
 History of the fixes (same script, same model):
 
