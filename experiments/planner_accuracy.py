@@ -153,42 +153,24 @@ def _broadcast_text(text: str) -> str:
 def _speed_probe(model, microbatch, device):
     """A fixed piece of the model's work -- its layers' forward and backward at one micro-batch -- that
     can be timed again at any moment: on a shared machine the speed drifts over minutes, and the
-    profile is taken minutes before the plans are measured."""
+    profile is taken minutes before the plans are measured. Times are the slowest process's."""
     import jax
 
-    from jpipe import partition
+    from jpipe.partition._profile import _max_over_processes, _mean_time, _stack_forward
 
     params = jax.device_put(model.init_stacked(jax.random.key(0), microbatch), device)
     hidden = jax.jit(model.embed)(params["pre"], jax.device_put(microbatch, device))
     params = params["layers"]
-
-    def stage(p, h):
-        return jax.lax.scan(lambda c, pj: (model.layer_apply(pj, c), None), h, p)[0]
-
+    stage = _stack_forward(model)
     fwd_bwd = jax.jit(lambda p, h: jax.grad(lambda p, h: stage(p, h).sum(), argnums=(0, 1))(p, h))
     jax.block_until_ready(fwd_bwd(params, hidden))
 
     def seconds(repeats: int = 5) -> float:
-        jax.block_until_ready(fwd_bwd(params, hidden))  # untimed: the first call after the plans' runs cold
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd_bwd(params, hidden))
-            times.append(time.perf_counter() - t0)
-        return _slowest(partition.robust_mean(times))
+        # one untimed call first (the first call after the plans' runs cold), then robust_mean of repeats
+        (slowest,) = _max_over_processes([_mean_time(lambda: fwd_bwd(params, hidden), repeats, warmup=0)])
+        return slowest
 
     return seconds
-
-
-def _slowest(seconds: float) -> float:
-    """The largest of every process's ``seconds`` (all processes must call it)."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    if jax.process_count() == 1:
-        return seconds
-    return float(np.max(multihost_utils.process_allgather(np.float32(seconds))))
 
 
 def _key(plan) -> tuple:
