@@ -18,11 +18,16 @@ local devices instead -- the same code path, unchanged.
    with ``jpipe.train_step`` on the 2-device mesh, each process feeding only its own rows
    (``local_rows`` / ``global_batch``); the plans are timed in turns (``--rounds``) so that a shared
    machine's changing load hits them alike; the rounds' means give each mean's standard error.
-4. Print predicted vs measured, the relative error, Spearman's rank correlation and whether the
-   planner's choice is the fastest measured plan (and, when it is not, whether the gap is within
+4. Profile again in every round, in turns with the plans (``partition.Profiler`` compiled the runs
+   once; ``--round-repeats`` calls each). The mean of these profiles saw the machine as the plans
+   did: on this VM its speed drifts by 5-35 % over the minutes between the first profile and the
+   measurement, which moved every error of the first prediction alike.
+5. Print, for the planner's own prediction (the first profile) and for the prediction from the mean
+   of the profiles in turns: predicted vs measured, the relative error, Spearman's rank correlation and
+   whether the choice is the fastest measured plan (and, when it is not, whether the gap is within
    twice the standard error of the difference: a tie this measurement cannot break).
 
-    python experiments/planner_accuracy.py                 # 2 CPU processes (about 3-5 min here)
+    python experiments/planner_accuracy.py                 # 2 CPU processes (about 8 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
     python experiments/planner_accuracy.py --json out.json # also write the rows
 
@@ -125,6 +130,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8, help="rounds of timing, every plan in turn")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=25, help="profiler repeats per measurement")
+    p.add_argument("--round-repeats", type=int, default=10,
+                   help="profiler repeats per measurement in each round's profile (taken in turns with the plans)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the launcher kills the run")
     p.add_argument("--json", default=None, help="also write the table's rows to this JSON file")
     return p.parse_args(argv)
@@ -150,27 +157,20 @@ def _broadcast_text(text: str) -> str:
     return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
 
 
-def _speed_probe(model, microbatch, device):
-    """A fixed piece of the model's work -- its layers' forward and backward at one micro-batch -- that
-    can be timed again at any moment: on a shared machine the speed drifts over minutes, and the
-    profile is taken minutes before the plans are measured. Times are the slowest process's."""
-    import jax
+def _mean_profile(profiles):
+    """The profile whose every time is the mean of ``profiles``' (which measured the same sizes)."""
+    from jpipe import partition
 
-    from jpipe.partition._profile import _max_over_processes, _mean_time, _stack_forward
+    def mean(*xs):
+        if isinstance(xs[0], dict):
+            return {k: mean(*(x[k] for x in xs)) for k in xs[0]}
+        if isinstance(xs[0], list):
+            return [mean(*column) for column in zip(*xs, strict=True)]
+        if isinstance(xs[0], float) and len(set(xs)) > 1:
+            return statistics.fmean(xs)
+        return xs[0]
 
-    params = jax.device_put(model.init_stacked(jax.random.key(0), microbatch), device)
-    hidden = jax.jit(model.embed)(params["pre"], jax.device_put(microbatch, device))
-    params = params["layers"]
-    stage = _stack_forward(model)
-    fwd_bwd = jax.jit(lambda p, h: jax.grad(lambda p, h: stage(p, h).sum(), argnums=(0, 1))(p, h))
-    jax.block_until_ready(fwd_bwd(params, hidden))
-
-    def seconds(repeats: int = 5) -> float:
-        # one untimed call first (the first call after the plans' runs cold), then robust_mean of repeats
-        (slowest,) = _max_over_processes([_mean_time(lambda: fwd_bwd(params, hidden), repeats, warmup=0)])
-        return slowest
-
-    return seconds
+    return partition.Profile.from_json(json.dumps(mean(*(json.loads(p.to_json()) for p in profiles))))
 
 
 def _key(plan) -> tuple:
@@ -315,14 +315,18 @@ def worker(argv: list[str], local: bool) -> None:
         del warm
 
     # 1. profile (the micro-batch jpipe.plan profiles at: the batch split over the devices)
-    t0 = time.perf_counter()
     mb = {k: v[: B // 2] for k, v in full[0].items()}
     sizes = partition.microbatch_sizes(2, B, max(args.microbatches))  # every size a candidate uses
-    prof = partition.profile(model, mb, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
-                             repeats=args.repeats)
-    prof = partition.Profile.from_json(_broadcast_text(prof.to_json()))
-    probe = _speed_probe(model, {k: v[: B // 4] for k, v in full[0].items()}, next(d for d in devices if d.process_index == me))
-    probe_at_profile = probe(repeats=15)
+
+    t0 = time.perf_counter()
+    profiler = partition.Profiler(model, mb, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
+                                  repeats=args.repeats)
+
+    def profiled(repeats: int | None = None) -> partition.Profile:
+        prof = profiler.measure(repeats)
+        return partition.Profile.from_json(_broadcast_text(prof.to_json()))  # process 0's, everywhere
+
+    prof = profiled()
     say(f"cluster: {mode}; GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq_len}, "
         f"global batch {B}")
     say(f"profile ({time.perf_counter() - t0:.1f}s), forward/backward ms by micro-batch size:")
@@ -354,7 +358,7 @@ def worker(argv: list[str], local: bool) -> None:
         jax.block_until_ready((state, metrics))
         runs.append({"cand": cand, "state": state, "step": step, "batches": batches, "times": [], "round_means": [],
                      "compile_s": compile_s})
-    probe_rounds = []
+    in_turns, profile_s = [], 0.0
     for _ in range(args.rounds):
         for run in runs:
             # one untimed step first: a plan's first step after another plan's runs cold (caches,
@@ -369,7 +373,12 @@ def worker(argv: list[str], local: bool) -> None:
                 times.append(time.perf_counter() - t0)
             run["times"] += times
             run["round_means"].append(partition.robust_mean(times))
-        probe_rounds.append(probe())
+        # 4. and the profile again in every round, in turns with the plans (compiled once: no compile here)
+        t0 = time.perf_counter()
+        in_turns.append(profiled(args.round_repeats))
+        profile_s += time.perf_counter() - t0
+    turns = _mean_profile(in_turns)
+    say(f"\nprofiled again in every round ({profile_s / args.rounds:.1f}s a round)")
     rows = []
     for run in runs:
         plan, cand = run["cand"].plan, run["cand"]
@@ -377,62 +386,70 @@ def worker(argv: list[str], local: bool) -> None:
         # the standard error of the mean from the rounds' means: it includes the machine's drift
         error_ms = 1e3 * statistics.stdev(run["round_means"]) / len(run["round_means"]) ** 0.5 \
             if len(run["round_means"]) > 1 else 0.0
+        in_turns_cand = partition.evaluate(turns, plan, B)
         rows.append({"pipe": plan.pipe, "data": plan.data, "microbatches": plan.microbatches,
                      "schedule": _key(plan)[3], "partition": list(plan.partition or ()),
                      "predicted_ms": cand.step_time * 1e3, "measured_ms": measured * 1e3,
+                     "in_turns_ms": in_turns_cand.step_time * 1e3, "memory": cand.memory,
                      "median_ms": statistics.median(run["times"]) * 1e3, "standard_error_ms": error_ms,
-                     "error": cand.step_time / measured - 1, "compile_s": run["compile_s"],
-                     "spread_ms": [1e3 * min(run["times"]), 1e3 * max(run["times"])]})
+                     "error": cand.step_time / measured - 1, "in_turns_error": in_turns_cand.step_time / measured - 1,
+                     "compile_s": run["compile_s"], "spread_ms": [1e3 * min(run["times"]), 1e3 * max(run["times"])]})
     del runs
 
-    # 4. report
-    chosen = _key(choice.plan)
+    # 5. report
     fastest = min(rows, key=lambda r: r["measured_ms"])
-    rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
-    say(f"\n{'pipe':>4} {'data':>4} {'M':>3} {'schedule':<8} {'part':<6} {'predicted ms':>12} "
-        f"{'measured ms':>15} {'median':>7} {'(min-max)':>15} {'error':>7}")
+    name = lambda r: f"{r['pipe']}x{r['data']} M={r['microbatches']} {r['schedule']}"
+    chosen = next((r for r in rows if (r["pipe"], r["data"], r["microbatches"], r["schedule"]) == _key(choice.plan)),
+                  None)
+    # from the profiles in turns, the planner would choose the fastest predicted plan (less memory first on a tie)
+    chosen_in_turns = min(rows, key=lambda r: (r["in_turns_ms"], r["memory"]))
+    say(f"\n{'pipe':>4} {'data':>4} {'M':>3} {'schedule':<8} {'part':<6} {'predicted ms':>12} {'in turns':>9} "
+        f"{'measured ms':>15} {'median':>7} {'(min-max)':>15} {'error':>7} {'error':>7}")
+    say(f"{'':>29} {'(1st profile)':>12} {'(mean)':>9} {'':>48} {'(1st)':>7} {'(turns)':>7}")
     for r in sorted(rows, key=lambda r: r["measured_ms"]):
-        tag = (" <- planner's choice" if (r["pipe"], r["data"], r["microbatches"], r["schedule"]) == chosen
-               else "")
+        tag = "".join(t for t, c in ((" <- planner's choice", chosen), (" <- choice from the profiles in turns", chosen_in_turns))
+                      if r is c)
         say(f"{r['pipe']:>4} {r['data']:>4} {r['microbatches']:>3} {r['schedule']:<8} "
-            f"{','.join(map(str, r['partition'])) or '-':<6} {r['predicted_ms']:>12.2f} "
+            f"{','.join(map(str, r['partition'])) or '-':<6} {r['predicted_ms']:>12.2f} {r['in_turns_ms']:>9.2f} "
             f"{r['measured_ms']:>8.2f} +-{r['standard_error_ms']:<4.2f} {r['median_ms']:>7.2f} "
-            f"{r['spread_ms'][0]:>7.1f}-{r['spread_ms'][1]:<7.1f} {r['error']:>+7.1%}{tag}")
-    worst = max(abs(r["error"]) for r in rows)
-    hit = (fastest["pipe"], fastest["data"], fastest["microbatches"], fastest["schedule"]) == chosen
-    chosen_row = next((r for r in rows if (r["pipe"], r["data"], r["microbatches"], r["schedule"]) == chosen), None)
-    say(f"\nplans: {len(rows)}; max |error| {worst:.1%} (target <= 25%: {'yes' if worst <= 0.25 else 'NO'}); "
-        f"Spearman rho {rho:.3f}")
-    say(f"planner's choice {chosen[0]}x{chosen[1]} M={chosen[2]} {chosen[3]}"
-        + (f" measured {chosen_row['measured_ms']:.2f} ms" if chosen_row else " (not measured)")
-        + f"; fastest measured {fastest['pipe']}x{fastest['data']} M={fastest['microbatches']} "
-          f"{fastest['schedule']} {fastest['measured_ms']:.2f} ms -> chosen is fastest: {'yes' if hit else 'NO'}")
-    # Two plans whose means differ by less than twice their combined standard error are not told apart
-    # by this measurement: say so rather than let the noise decide.
-    tie = False
-    if chosen_row is not None and not hit:
-        gap = chosen_row["measured_ms"] - fastest["measured_ms"]
-        noise = (chosen_row["standard_error_ms"] ** 2 + fastest["standard_error_ms"] ** 2) ** 0.5
-        tie = gap <= 2 * noise
-        say(f"  the choice is {gap:.2f} ms ({gap / fastest['measured_ms']:.1%}) slower; two standard errors of "
-            f"the difference: {2 * noise:.2f} ms -> "
-            + ("a tie within this measurement's noise" if tie else "significantly slower"))
-    drift = statistics.mean(probe_rounds) / probe_at_profile - 1
-    say(f"machine speed: a fixed piece of the model's work (speed probe) took {probe_at_profile * 1e3:.2f} ms "
-        f"right after the profile and {statistics.mean(probe_rounds) * 1e3:.2f} ms on average during the "
-        f"measurement ({drift:+.1%}, rounds {min(probe_rounds) * 1e3:.2f}-{max(probe_rounds) * 1e3:.2f} ms); "
-        f"a drift of this size moves every prediction's error alike")
-    # What the errors would be had the machine run at the profile's speed: a diagnostic of how much of
-    # the error is the machine's drift, not a different prediction (the target is judged on the above).
-    drifted = [r["predicted_ms"] * (1 + drift) / r["measured_ms"] - 1 for r in rows]
-    say(f"  predictions scaled by that drift: max |error| {max(map(abs, drifted)):.1%}, "
-        f"{sum(abs(e) <= 0.25 for e in drifted)}/{len(rows)} within 25%")
+            f"{r['spread_ms'][0]:>7.1f}-{r['spread_ms'][1]:<7.1f} {r['error']:>+7.1%} {r['in_turns_error']:>+7.1%}{tag}")
+
+    def judged(what: str, key: str, pick) -> dict:
+        """How the predictions under ``key`` do: worst error, rank correlation, and whether ``pick`` is the
+        fastest measured plan (or, when it is not, a tie within two standard errors of the difference)."""
+        errors = [r["error" if key == "predicted" else f"{key}_error"] for r in rows]
+        worst = max(map(abs, errors))
+        rho = spearman([r[f"{key}_ms"] for r in rows], [r["measured_ms"] for r in rows])
+        hit = pick is fastest
+        say(f"{what}: max |error| {worst:.1%}, {sum(abs(e) <= 0.25 for e in errors)}/{len(rows)} within 25% "
+            f"(target: all: {'yes' if worst <= 0.25 else 'NO'}); Spearman rho {rho:.3f}; choice {name(pick)} "
+            f"measured {pick['measured_ms']:.2f} ms -> the fastest: {'yes' if hit else 'NO'}")
+        tie = False
+        if not hit:
+            # two means that differ by less than twice their combined standard error are not told apart
+            gap = pick["measured_ms"] - fastest["measured_ms"]
+            noise = (pick["standard_error_ms"] ** 2 + fastest["standard_error_ms"] ** 2) ** 0.5
+            tie = gap <= 2 * noise
+            say(f"  {gap:.2f} ms ({gap / fastest['measured_ms']:.1%}) slower than the fastest; two standard errors "
+                f"of the difference: {2 * noise:.2f} ms -> "
+                + ("a tie within this measurement's noise" if tie else "significantly slower"))
+        return {"max_abs_error": worst, "spearman": rho, "chosen": name(pick), "chosen_is_fastest": hit,
+                "chosen_ties_fastest_within_noise": tie}
+
+    say(f"\nplans: {len(rows)}; fastest measured {name(fastest)} {fastest['measured_ms']:.2f} ms")
+    if chosen is None:
+        raise SystemExit(f"the planner chose {choice.plan}, which is not among the measured plans")
+    first = judged("predicted from the profile before the measurement", "predicted", chosen)
+    mean = judged(f"predicted from the mean of the {len(in_turns)} profiles taken in turns with the plans",
+                  "in_turns", chosen_in_turns)
+    drift = statistics.mean(r["in_turns_ms"] / r["predicted_ms"] for r in rows) - 1
+    say(f"machine speed: the profiles in turns with the plans predict {drift:+.1%} on average against the first "
+        f"profile (a drift of this size moves every error of the first prediction alike)")
     if me == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": mode, "rows": rows, "spearman": rho, "max_abs_error": worst,
-                       "chosen_is_fastest": hit, "speed_drift": drift,
-                       "max_abs_error_drift_scaled": max(map(abs, drifted)),
-                       "chosen_ties_fastest_within_noise": tie, "profile": json.loads(prof.to_json())}, f, indent=1)
+            json.dump({"mode": mode, "rows": rows, "first_profile": first, "profiles_in_turns": mean,
+                       "profile_drift": drift, "profile": json.loads(prof.to_json()),
+                       "profile_in_turns": json.loads(turns.to_json())}, f, indent=1)
 
 
 def main() -> None:

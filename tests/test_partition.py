@@ -352,6 +352,38 @@ def test_profile_times_every_asked_size_and_the_optimizer_step():
         profile(model, mb, comm=False, microbatch_sizes=[0])
 
 
+def test_profiler_measures_again_without_compiling():
+    import jax
+    import jax.numpy as jnp
+    from jax import monitoring
+
+    import jpipe.models
+    from jpipe.partition import Profiler
+
+    model = jpipe.models.mlp(in_dim=4, hidden=32, out_dim=1, num_layers=3)
+    mb = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+    profiler = Profiler(model, mb, devices=jax.devices()[:2], microbatch_sizes=[2, 4, 8], warmup=1)
+    compiled: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = profiler.measure(repeats=3)
+        compiles = len(compiled)
+        again = profiler.measure(repeats=3)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles > 0 and len(compiled) == compiles                 # every run was compiled by the first
+    assert again.layers[0].curve != () and again.comm is not None
+    # the same sizes, measured afresh
+    assert [c[0] for c in again.layers[0].curve] == [c[0] for c in first.layers[0].curve] == [0.25, 0.5]
+    assert [x for x, _ in again.comm.exchange] == [x for x, _ in first.comm.exchange]
+    assert again.layers[0].forward > 0 and again.comm.allreduce[0][1] > 0
+
+
 def test_step_prediction_adds_the_largest_stage_optimizer_step():
     layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, update=1e-4)
     io = LayerCost("io", 1e-3, 1e-3, 1e3, 1e4, 2e4, update=3e-4)

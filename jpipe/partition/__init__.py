@@ -1,6 +1,7 @@
 """Planning: profile a model, model its cost, search partitions, replication and mesh shapes.
 
-- :func:`profile` measures a :class:`jpipe.Staged` model on the current backend;
+- :func:`profile` measures a :class:`jpipe.Staged` model on the current backend
+  (:class:`Profiler` compiles once and measures again when asked);
   :func:`read_graph_profile` reads DAPPLE's published PipeDream graph profiles.
 - :func:`dapple_latency` and :func:`dapple_plan` are DAPPLE's latency model and
   planner for a general :class:`Cluster`.
@@ -20,6 +21,7 @@ from jpipe.partition._profile import (
     GraphNode,
     LayerCost,
     Profile,
+    Profiler,
     load,
     measure_comm,
     profile,
@@ -43,7 +45,7 @@ from jpipe.partition._search import (
 
 __all__ = [
     "Candidate", "Cluster", "CommCost", "DapplePlan", "GraphNode", "LayerCost", "Latency", "PlanChoice",
-    "Profile", "Stage", "balanced_partition", "dapple_latency", "dapple_plan", "evaluate",
+    "Profile", "Profiler", "Stage", "balanced_partition", "dapple_latency", "dapple_plan", "evaluate",
     "format_candidates", "load", "measure_comm", "microbatch_sizes", "plan", "profile", "profile_sizes",
     "read_graph", "read_graph_profile", "robust_line", "robust_mean",
     "search", "stage_costs",

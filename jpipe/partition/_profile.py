@@ -520,26 +520,29 @@ def _timed(parts: Sequence[_Part], repeats: int, warmup: int) -> list[LayerCost]
             for part, t_f, t_fb in zip(parts, times[::2], times[1::2])]
 
 
-def _update_times(model: Any, microbatch: Any, optimizer: Any, device: Any, repeats: int, warmup: int,
-                  seed: int) -> tuple[float, float, float]:
-    """Seconds of ``optimizer.update`` + ``optax.apply_updates`` on pre's, one layer's and post's weights
-    (the layers' timed stacked, as a stage holds them, and divided by their number)."""
+def _update_runs(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> list[Callable[[], Any]]:
+    """Runs of ``optimizer.update`` + ``optax.apply_updates`` (and ``train_step``'s check for a
+    non-finite gradient) on pre's, the stacked layers' and post's weights, as a stage holds them."""
     import jax
+    import jax.numpy as jnp
     import optax
 
     params = jax.device_put(model.init_stacked(jax.random.key(seed), microbatch), device)
 
     @jax.jit
     def step(p: Any, state: Any) -> Any:
-        updates, state = optimizer.update(p, state, p)  # any gradient of the right shape will do
-        return optax.apply_updates(p, updates), state
+        updates, new_state = optimizer.update(p, state, p)  # any gradient of the right shape will do
+        new_p = optax.apply_updates(p, updates)
+        # as train_step's default nan_policy: a non-finite gradient keeps the old weights and state
+        finite = jnp.stack([jnp.isfinite(a).all() for a in jax.tree.leaves(p)]).all()
+        return jax.tree.map(lambda new, old: jnp.where(finite, new, old), (new_p, new_state), (p, state))
 
-    times = []
+    runs = []
     for part in ("pre", "layers", "post"):
         p = params[part]
         state = jax.jit(optimizer.init)(p)
-        times.append(_mean_time(lambda p=p, state=state: step(p, state), repeats, warmup))
-    return times[0], times[1] / model.num_layers, times[2]
+        runs.append(lambda p=p, state=state: step(p, state))
+    return runs
 
 
 def _resize(tree: Any, rows: int) -> Any:
@@ -579,11 +582,14 @@ def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
     return out
 
 
-def _exchange_under_load(model: Any, microbatch: Any, devices: Sequence[Any], repeats: int, warmup: int,
-                         seed: int, ticks: int = 8) -> tuple[float, float]:
-    """(bytes, seconds): what one tick's exchange of ``microbatch``'s activations adds to a tick that
-    also computes -- a scan of ticks each running a stage's forward on every device, timed with and
-    without the two ppermutes. Between computations an exchange can cost much more than in a tight
+_EXCHANGE_TICKS = 8
+
+
+def _exchange_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int,
+                   ticks: int = _EXCHANGE_TICKS) -> tuple[float, Callable[[], Any], Callable[[], Any]]:
+    """(bytes, run with, run without): what one tick's exchange of ``microbatch``'s activations adds to
+    a tick that also computes is the difference of the runs' times over ``ticks`` -- a scan of ticks
+    each running a stage's forward on every device, with and without the two ppermutes. Between computations an exchange can cost much more than in a tight
     loop of ppermutes (gloo on CPU: ~0.5 ms against ~0.1 ms at 16 KiB), and that is what a pipeline
     tick pays."""
     import jax
@@ -616,9 +622,7 @@ def _exchange_under_load(model: Any, microbatch: Any, devices: Sequence[Any], re
     h = jax.make_array_from_callback((n * hidden.shape[0], *hidden.shape[1:]), NamedSharding(mesh, P("x")),
                                      lambda idx: np.ones(hidden.shape, hidden.dtype))
     with_exchange, without = run(True), run(False)
-    t_with, t_without = _mean_times([lambda: with_exchange(stack, h), lambda: without(stack, h)], repeats, warmup)
-    (seconds,) = _max_over_processes([max(t_with - t_without, 0.0) / ticks])
-    return _tree_bytes(hidden), seconds
+    return _tree_bytes(hidden), (lambda: with_exchange(stack, h)), (lambda: without(stack, h))
 
 
 def measure_comm(devices: Sequence[Any] | None = None, *,
@@ -636,14 +640,27 @@ def measure_comm(devices: Sequence[Any] | None = None, *,
     every process must call it (it runs collectives).
     """
     import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < 2:
+        return None
+    runs = _comm_runs(devices, exchange_sizes, allreduce_sizes, ticks)
+    return _time_comm(runs, len(devices), ticks, repeats, warmup)
+
+
+class _CommRuns(NamedTuple):
+    exchange: list[tuple[float, Callable[[], Any]]]  # (bytes, run of `ticks` exchanges)
+    allreduce: list[tuple[float, Callable[[], Any]]]  # (bytes, run of one psum)
+
+
+def _comm_runs(devices: Sequence[Any], exchange_sizes: Sequence[float], allreduce_sizes: Sequence[float],
+               ticks: int) -> _CommRuns:
+    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    if n < 2:
-        return None
     mesh = Mesh(np.asarray(devices, dtype=object), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     forward = [(i, i + 1) for i in range(n - 1)]
@@ -659,17 +676,115 @@ def measure_comm(devices: Sequence[Any] | None = None, *,
                                                 check_vma=False))
     run_exchange, run_allreduce = shard(exchange), shard(lambda a: jax.lax.psum(a, "x"))
 
-    def timed(fn: Callable, size: float) -> float:
+    def on(fn: Callable, size: float) -> tuple[float, Callable[[], Any]]:
         count = max(1, int(size) // 4)
         x = jax.make_array_from_callback((n * count,), sharding, lambda idx: np.ones((count,), np.float32))
-        return _mean_time(lambda: fn(x), repeats, warmup)
+        return float(size), lambda: fn(x)
 
-    exchange_sizes, allreduce_sizes = sorted(set(exchange_sizes)), sorted(set(allreduce_sizes))
-    times = [timed(run_exchange, s) / ticks for s in exchange_sizes] + [timed(run_allreduce, s) for s in allreduce_sizes]
+    return _CommRuns([on(run_exchange, s) for s in sorted(set(exchange_sizes))],
+                     [on(run_allreduce, s) for s in sorted(set(allreduce_sizes))])
+
+
+def _time_comm(runs: _CommRuns, n: int, ticks: int, repeats: int, warmup: int) -> CommCost:
+    times = [_mean_time(fn, repeats, warmup) / ticks for _, fn in runs.exchange] + \
+            [_mean_time(fn, repeats, warmup) for _, fn in runs.allreduce]
     times = _max_over_processes(times)  # every process plans from the same numbers
-    exchange_points = tuple((float(s), t) for s, t in zip(exchange_sizes, times))
-    allreduce_points = tuple((2.0 * s * (n - 1) / n, t) for s, t in zip(allreduce_sizes, times[len(exchange_sizes):]))
+    exchange_points = tuple((s, t) for (s, _), t in zip(runs.exchange, times))
+    allreduce_points = tuple((2.0 * s * (n - 1) / n, t) for (s, _), t in zip(runs.allreduce, times[len(runs.exchange):]))
     return CommCost(exchange_points, allreduce_points)
+
+
+class Profiler:
+    """A model's profile, compiled once and measured as often as wanted: :meth:`measure` times
+    every part afresh and returns a :class:`Profile` (what :func:`profile` returns, which is
+    ``Profiler(...).measure()``). Profiles taken at several moments -- say, in turns with
+    whatever else runs -- can then be compared or averaged; the first :meth:`measure` compiles.
+    Under ``jax.distributed`` every process must build it and call :meth:`measure` together.
+
+    >>> import jax.numpy as jnp, jpipe.models
+    >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=3)
+    >>> profiler = Profiler(model, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}, comm=False,
+    ...                     microbatch_sizes=[8], warmup=1)
+    >>> first, again = profiler.measure(repeats=3), profiler.measure(repeats=3)
+    >>> first.num_layers, again.layers[0].param_bytes == first.layers[0].param_bytes
+    (3, True)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        example_microbatch: Any,
+        *,
+        optimizer: Any = None,
+        devices: Sequence[Any] | None = None,
+        microbatch_sizes: Sequence[int] | None = None,
+        repeats: int = 5,
+        warmup: int = 2,
+        comm: bool = True,
+        seed: int = 0,
+    ) -> None:
+        import jax
+        import numpy as np
+        import optax
+
+        optimizer = optax.adam(1e-3) if optimizer is None else optimizer
+        devices = list(jax.devices() if devices is None else devices)
+        local = [d for d in devices if d.process_index == jax.process_index()] or jax.local_devices()
+        sizes = {np.shape(a)[0] for a in jax.tree.leaves(example_microbatch)}
+        if len(sizes) != 1:
+            raise ValueError(f"example_microbatch leaves disagree on the leading (batch) size: {sorted(sizes)}")
+        (size,) = sizes
+        if microbatch_sizes is not None and any(int(s) < 1 for s in microbatch_sizes):
+            raise ValueError(f"microbatch_sizes must be >= 1, got {list(microbatch_sizes)}")
+        self.repeats, self.warmup = repeats, warmup
+        self._model, self._size = model, int(size)
+        self._others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
+        self._parts = [part for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))
+                       for part in _parts(model, mb, optimizer, local[0], seed)]
+        self._updates = _update_runs(model, example_microbatch, optimizer, local[0], seed)
+        self._comm = None
+        if comm and len(devices) > 1:
+            pre, layer, post = self._parts[:3]
+            io = pre.cost.param_bytes + post.cost.param_bytes
+            every = io + layer.cost.param_bytes * model.num_layers
+            self._comm = (
+                len(devices),
+                _comm_runs(devices, [], [io, (io + every) / 2, every], _EXCHANGE_TICKS),
+                # the exchange as a computing tick pays it, not a tight loop of ppermutes
+                [_exchange_runs(model, _resize(example_microbatch, s), devices, seed)
+                 for s in (size, *self._others)],
+            )
+
+    def measure(self, repeats: int | None = None) -> Profile:
+        """Times every part now (``repeats`` calls each, default the constructor's) into a :class:`Profile`."""
+        import jax
+
+        repeats = self.repeats if repeats is None else repeats
+        costs = _timed(self._parts, repeats, self.warmup)
+        curves: list[list[tuple[float, float, float]]] = [[], [], []]
+        for i, other in enumerate(self._others, 1):
+            for curve, cost in zip(curves, costs[3 * i:3 * i + 3]):
+                curve.append((other / self._size, cost.forward, cost.backward))
+        u_pre, u_layers, u_post = (_mean_time(run, repeats, self.warmup) for run in self._updates)
+        updates = (u_pre, u_layers / self._model.num_layers, u_post)
+        pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
+                                             for cost, u, c in zip(costs[:3], updates, curves)])
+        layers = tuple(layer._replace(name=f"layer_{i}") for i in range(self._model.num_layers))
+        comm_cost = None
+        if self._comm is not None:
+            n, runs, exchange_runs = self._comm
+            allreduce = _time_comm(runs, n, _EXCHANGE_TICKS, repeats, self.warmup).allreduce
+            exchange = []
+            for nbytes, with_exchange, without in exchange_runs:
+                t_with, t_without = _mean_times([with_exchange, without], repeats, self.warmup)
+                (seconds,) = _max_over_processes([max(t_with - t_without, 0.0) / _EXCHANGE_TICKS])
+                exchange.append((nbytes, seconds))
+            if len(exchange) >= 3:  # each size is a difference of two noisy times: read them off a robust line
+                a, b = robust_line(exchange)
+                exchange = [(x, max(0.0, a + b * x)) for x, _ in exchange]
+            comm_cost = CommCost(_points(exchange), allreduce)
+        return Profile(layers=layers, microbatch_size=self._size, pre=pre, post=post, comm=comm_cost,
+                       name=type(self._model).__name__, backend=jax.default_backend())
 
 
 def profile(
@@ -714,46 +829,6 @@ def profile(
     >>> p.num_layers, p.microbatch_size, p.layers[0].param_bytes
     (3, 8, 1088.0)
     """
-    import jax
-    import numpy as np
-    import optax
-
-    optimizer = optax.adam(1e-3) if optimizer is None else optimizer
-    devices = list(jax.devices() if devices is None else devices)
-    local = [d for d in devices if d.process_index == jax.process_index()] or jax.local_devices()
-    sizes = {np.shape(a)[0] for a in jax.tree.leaves(example_microbatch)}
-    if len(sizes) != 1:
-        raise ValueError(f"example_microbatch leaves disagree on the leading (batch) size: {sorted(sizes)}")
-    (size,) = sizes
-    if microbatch_sizes is not None and any(int(s) < 1 for s in microbatch_sizes):
-        raise ValueError(f"microbatch_sizes must be >= 1, got {list(microbatch_sizes)}")
-    others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
-    parts = [_parts(model, mb, optimizer, local[0], seed)
-             for mb in (example_microbatch, *(_resize(example_microbatch, other) for other in others))]
-    costs = _timed([part for at_size in parts for part in at_size], repeats, warmup)
-    pre, layer, post = costs[:3]
-    curves: list[list[tuple[float, float, float]]] = [[], [], []]
-    for i, other in enumerate(others, 1):
-        for curve, cost in zip(curves, costs[3 * i:3 * i + 3]):
-            curve.append((other / size, cost.forward, cost.backward))
-    del parts
-    updates = _update_times(model, example_microbatch, optimizer, local[0], repeats, warmup, seed)
-    pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
-                                         for cost, u, c in zip((pre, layer, post), updates, curves)])
-    layers = tuple(layer._replace(name=f"layer_{i}") for i in range(model.num_layers))
-    comm_cost = None
-    if comm and len(devices) > 1:
-        io = pre.param_bytes + post.param_bytes
-        allreduce = measure_comm(
-            devices, exchange_sizes=[], allreduce_sizes=[io, io + layer.param_bytes * model.num_layers / 2,
-                                                         io + layer.param_bytes * model.num_layers],
-            repeats=repeats, warmup=warmup).allreduce
-        # the exchange as a computing tick pays it, not measure_comm's tight loop of ppermutes
-        exchange = [_exchange_under_load(model, _resize(example_microbatch, s), devices, repeats, warmup, seed)
-                    for s in (size, *others)]
-        if len(exchange) >= 3:  # each size is a difference of two noisy times: read them off a robust line
-            a, b = robust_line(exchange)
-            exchange = [(x, max(0.0, a + b * x)) for x, _ in exchange]
-        comm_cost = CommCost(_points(exchange), allreduce)
-    return Profile(layers=layers, microbatch_size=int(size), pre=pre, post=post, comm=comm_cost,
-                   name=type(model).__name__, backend=jax.default_backend())
+    return Profiler(model, example_microbatch, optimizer=optimizer, devices=devices,
+                    microbatch_sizes=microbatch_sizes, repeats=repeats, warmup=warmup, comm=comm,
+                    seed=seed).measure()
