@@ -27,7 +27,7 @@ local devices instead -- the same code path, unchanged.
    whether the choice is the fastest measured plan (and, when it is not, whether the gap is within
    twice the standard error of the difference: a tie this measurement cannot break).
 
-    python experiments/planner_accuracy.py                 # 2 CPU processes (about 8 min here)
+    python experiments/planner_accuracy.py                 # 2 CPU processes (about 7 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
     python experiments/planner_accuracy.py --json out.json # also write the rows
 
@@ -70,6 +70,26 @@ last four runs, the errors then mostly negative); scaled by that drift, every pr
 runs is within 17.2 / 22.9 / 23.1 / 17.7 %. The probe itself varies 4.4-6.1 ms back to back, and
 its slowdown is not starvation (during the rounds the normal-priority threads use ~6 % of a core);
 its cause is not found.
+
+Session 6 (2026-12-03): the first profile is taken minutes before the plans are measured, and on
+this VM the same work runs 5-35 % slower or faster over such minutes; that drift moved every error
+alike and decided the runs. ``partition.Profiler`` now compiles a profile's runs once and measures
+them again whenever asked (~3 s here with ``--round-repeats 10``), so the script profiles again in
+every round, in turns with the plans, and also predicts from the mean of those profiles: they saw
+the machine as the plans did. (Tried first: one profile before and one after the measurement,
+averaged. Run 2 of that: every plan 24-40 % slower than both profiles predicted -- the machine was
+slow during the measurement only.) The optimizer step's timing now includes ``train_step``'s check
+for a non-finite gradient. Four runs with profiles in turns (first profile / profiles in turns):
+max |error| 34.3 / 22.7 %, 30.8 / 23.6 %, 17.8 / 19.6 %, 32.7 / 21.5 %; within 25 %: 5 / 12, 9 / 12,
+12 / 12, 8 / 12 of 12; rho 0.95 / 0.77, 0.87 / 0.83, 0.89 / 0.85, 0.97 / 0.97. The choice from the
+profiles in turns (data=2 M=1 in every run) is the fastest measured plan in the first two runs; in
+the others it is 0.9 % slower than data=2 M=4 and 5.4 % slower than data=2 M=2, ties inside two
+standard errors (1.9 and 2.1 ms). The profiles in turns predicted +21.2 / +19.0 / +1.4 / +17.2 % on
+average against the first. What is still off in every run: pipe=2 at M=2 and
+M=4 is measured 10-24 % slower than predicted (at M=8 and M=1 within 12 %), and data=2 M=1 is
+measured a little slower than M=2 while predicted a little faster; on one device the executor's
+step is ~10 % slower than a plain jitted step of the same model (M=1, micro-batch 8), which the
+profile of parts does not see.
 
 History of the fixes (same script, same model):
 
