@@ -589,9 +589,9 @@ def _exchange_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: in
                    ticks: int = _EXCHANGE_TICKS) -> tuple[float, Callable[[], Any], Callable[[], Any]]:
     """(bytes, run with, run without): what one tick's exchange of ``microbatch``'s activations adds to
     a tick that also computes is the difference of the runs' times over ``ticks`` -- a scan of ticks
-    each running a stage's forward on every device, with and without the two ppermutes. Between computations an exchange can cost much more than in a tight
-    loop of ppermutes (gloo on CPU: ~0.5 ms against ~0.1 ms at 16 KiB), and that is what a pipeline
-    tick pays."""
+    each running a stage's forward on every device, with and without the two ppermutes. Between
+    computations an exchange can cost much more than in a tight loop of ppermutes (gloo on CPU:
+    ~0.5 ms against ~0.1 ms at 16 KiB), and that is what a pipeline tick pays."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
