@@ -146,7 +146,7 @@ def test_profile_json_round_trip_and_scaling(tmp_path):
 def _check_plan_shape(plan, num_layers, cluster):
     starts = [s.layers for s in plan.stages]
     assert starts[0][0] == 0 and starts[-1][1] == num_layers
-    assert all(a[1] == b[0] for a, b in zip(starts, starts[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(starts))
     devices = [d for s in plan.stages for d in s.devices]
     assert sorted(devices) == list(range(cluster.num_devices))
     assert all(len(s.devices) == s.replicas for s in plan.stages)
@@ -198,7 +198,7 @@ def _brute_partition(work, pre, post, stages):
     L = len(work)
     for cuts in itertools.combinations(range(1, L), stages - 1):
         bounds = (0, *cuts, L)
-        times = [sum(work[a:b]) for a, b in zip(bounds, bounds[1:])]
+        times = [sum(work[a:b]) for a, b in itertools.pairwise(bounds)]
         times[0] += pre
         times[-1] += post
         if best is None or max(times) < best - 1e-12:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -107,7 +108,7 @@ def balanced_partition(profile: Profile, stages: int) -> tuple[int, ...]:
             if options:
                 best[s][j] = min(options, key=lambda o: (round(o[0], 12), o[1]))
     bounds = (0,) + best[stages - 1][L][2]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    return tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
 def stage_costs(profile: Profile, partition: Sequence[int]) -> tuple[list[float], list[float]]:
