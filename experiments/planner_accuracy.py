@@ -8,10 +8,10 @@ local devices instead -- the same code path, unchanged.
 0. On CPU each process is pinned to a core of its own with single-threaded XLA: two processes
    sharing two cores would make a data-parallel step (both compute at once) look slower than the
    profile, which times one device alone.
-1. Profile the model on the cluster: layer costs with ``jpipe.partition.profile`` on one device of
-   process 0, ppermute / all-reduce costs with ``measure_comm`` over both devices (every process
-   takes part in the collectives); process 0's profile is broadcast so that every process plans
-   from the same numbers (and builds the same partitions).
+1. Profile the model on the cluster with ``jpipe.partition.Profiler``: every process times the
+   layers on its own device, the exchange and the all-reduces run over both devices, and every time
+   is the slowest process's, so that every process plans from the same numbers (and builds the
+   same partitions).
 2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over 2 devices:
    ``pipe=2, data=1`` with M in ``--microbatches`` x ``--schedules``, and ``pipe=1, data=2``.
 3. Measure every candidate's mean step time (``partition.robust_mean``: the planner adds up means)
@@ -159,22 +159,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -------------------------------------------------------------------------------------------------
 # What every process runs
-
-
-def _broadcast_text(text: str) -> str:
-    """Process 0's ``text`` on every process (a no-op with one process)."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    if jax.process_count() == 1:
-        return text
-    raw = np.frombuffer(text.encode(), np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(raw.size)))
-    buf = np.zeros(n, np.uint8)
-    if jax.process_index() == 0:
-        buf[:] = raw
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
 
 
 def _mean_profile(profiles):
@@ -342,11 +326,7 @@ def worker(argv: list[str], local: bool) -> None:
     profiler = partition.Profiler(model, mb, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
                                   repeats=args.repeats)
 
-    def profiled(repeats: int | None = None) -> partition.Profile:
-        prof = profiler.measure(repeats)
-        return partition.Profile.from_json(_broadcast_text(prof.to_json()))  # process 0's, everywhere
-
-    prof = profiled()
+    prof = profiler.measure()  # every time is the slowest process's: the same profile on every process
     say(f"cluster: {mode}; GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq_len}, "
         f"global batch {B}")
     say(f"profile ({time.perf_counter() - t0:.1f}s), forward/backward ms by micro-batch size:")
@@ -395,7 +375,7 @@ def worker(argv: list[str], local: bool) -> None:
             run["round_means"].append(partition.robust_mean(times))
         # 4. and the profile again in every round, in turns with the plans (compiled once: no compile here)
         t0 = time.perf_counter()
-        in_turns.append(profiled(args.round_repeats))
+        in_turns.append(profiler.measure(args.round_repeats))
         profile_s += time.perf_counter() - t0
     turns = _mean_profile(in_turns)
     say(f"\nprofiled again in every round ({profile_s / args.rounds:.1f}s a round)")
