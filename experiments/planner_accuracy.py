@@ -94,23 +94,23 @@ profile of parts does not see.
 Session 7 (2026-12-03): one run with the code as it is: max |error| 29.3 % (first profile) / 23.8 %
 (profiles in turns), 10 / 12 of 12 within 25 %, rho 0.98 / 0.87; the planner's own choice (data=2
 M=2) the fastest measured plan, the one from the profiles in turns (data=2 M=1) 2.9 % slower, a
-tie. Where the error is: pipe=2 1F1B and data=2 timed at a fixed micro-batch of 8 with three values
-of M (a line through the step times: its slope is the cost of one more micro-batch, its intercept
-the step's fixed part; 2 processes, profiles in turns, 5 runs) -- data=2: slope -10..+3 % off the
-prediction, intercept 3.0-5.4 ms above it; pipe=2: slope 17-33 % above in 4 runs (+4.5 % in the
-fifth), intercept 4.2-11.8 ms above. A pipe=2 step took up to 1.1k page faults (``ru_minflt``, 2
-runs): XLA:CPU mallocs a step's temporary buffer (stash, inputs, cotangents) on every run, and
-glibc maps large ones afresh or trims them back, so their pages fault again every step (one device,
-GPipe M=4, a 53.6 MiB buffer: 13,714 faults a step, 85.6 ms against 60.4 ms without). With glibc
-told to keep freed memory (``mallopt``: ``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` 2 GiB) the faults
-went to 0-110 a step and the pipe=2 slope came within 5 % of the prediction in both runs. It is not
-a fix to ship yet: in this script (12 plans and the profiler in turns) the same setting made pipe=2
-steps noisier (standard errors 1.7-7.8 ms, most 3-8, against 0.8-1.7 ms without; single steps up to
-98 and 129 ms; 2 runs), and in one process with 8 simulated devices it left 11-29k faults a step
-or, with one malloc arena for all threads, made the step 1.3-2x slower (pipe 4 x data 2, 1F1B:
-190-214 -> 362-380 ms). Ruled out as causes of the pipe=2 gap: the runtime branch on the device
-index (made non-constant on one device: no measurable change) and the guest's idle wake-up (idle
-polling instead of halting: gap unchanged).
+tie. Where the error is (``experiments/step_slope.py``: pipe=2 1F1B and data=2 timed at a fixed
+micro-batch of 8 with three values of M; the slope of the step time in M is the cost of one more
+micro-batch, the intercept the step's fixed part; 6 runs): data=2's slope is -10..+3 % off the
+prediction and its intercept 2.1-5.4 ms above; pipe=2's slope is 17-33 % above in 5 runs (+4.5 % in
+the sixth) and its intercept 4.2-11.8 ms above. Page faults: XLA:CPU mallocs a step's temporary
+buffer (stash, inputs, cotangents) on every run, and glibc maps large ones afresh or trims them
+back, so their pages can fault again every step (one device, GPipe M=4, a 53.6 MiB buffer: 13,714
+faults a step, 85.6 ms against 60.4 ms without; a pipe=2 step here: 0-1.1k). With glibc told to
+keep freed memory (``step_slope.py --keep-freed-memory``: ``mallopt`` ``M_MMAP_MAX`` 0,
+``M_TRIM_THRESHOLD`` 2 GiB) the faults went to ~0-120 a step, and pipe=2's slope came within 5 % of
+the prediction in 2 runs but stayed 18 % above in a third: the faults are not what the profile
+misses (a pipe=2 M=8 step without a single fault was 19 % slower than predicted). The setting is
+not shipped: in this script it made pipe=2 steps noisier (standard errors mostly 3-8 ms against
+0.8-1.7 ms; 2 runs), and in one process with 8 simulated devices it left 11-29k faults a step or,
+with one malloc arena for all threads, made the step 1.3-2x slower. Also ruled out as causes of the
+pipe=2 gap: the runtime branch on the device index (made non-constant on one device: no measurable
+change) and the guest's idle wake-up (idle polling instead of halting: gap unchanged).
 
 History of the fixes (same script, same model):
 
