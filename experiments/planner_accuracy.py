@@ -112,6 +112,17 @@ with one malloc arena for all threads, made the step 1.3-2x slower. Also ruled o
 pipe=2 gap: the runtime branch on the device index (made non-constant on one device: no measurable
 change) and the guest's idle wake-up (idle polling instead of halting: gap unchanged).
 
+Last measurements of session 7, for the next attempt: with the executor's two ppermutes switched
+off (a diagnostic edit, not committed: each process runs its own ticks, no lock-step), pipe=2's
+time per micro-batch was still 38 % above the profiled F+B of the slower stage (9.05 against 6.55
+ms): the gap is in the executor's compute, not in the exchange or the lock-step. A candidate: the
+residual stash. On one device, GPipe M=2 (stash depth 2, temp 33.1 MiB) against 1F1B (depth 1, 12.9
+MiB) took 25.3 / 29.4 against 22.5 / 25.3 ms with glibc keeping freed memory (+12-16 %), and 43-45
+against 21-23 ms without (8,481 faults a step: just above the 32 MiB threshold); pipe=2 1F1B holds
+two micro-batches on stage 0. The executor zero-fills its buffers every step and the backward reads
+residuals written micro-batches earlier (about 5 MiB a layer at micro-batch 8 here), neither of
+which the profile (a backward right after its forward) sees.
+
 History of the fixes (same script, same model):
 
 - The executor's step at micro-batch 8 was ~3x the profiled sum (residual-sized values through the
