@@ -26,7 +26,7 @@ def validate(table: Table) -> Table:
                   "recv_in_slot", "recv_cot_slot"):
         if getattr(table, field).shape != shape:
             raise ScheduleError(f"table field {field!r} has shape {getattr(table, field).shape}, expected {shape}")
-    bufs = {name: [dict() for _ in range(P)] for name in ("in", "res", "cot")}
+    bufs = {name: [{} for _ in range(P)] for name in ("in", "res", "cot")}
     split = table.splits_backward
     done: dict[tuple[str, int, int], int] = {}
 
