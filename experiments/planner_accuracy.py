@@ -289,6 +289,42 @@ def _compute_threads_yield(warm_up) -> list[str]:
     return changed
 
 
+def compile_plan(model, optimizer, plan, batches: list[dict], devices: list) -> tuple:
+    """``(state, step, global batches, compile seconds)`` of ``plan`` on ``devices``, ``step`` being
+    ``jpipe.train_step`` compiled for it. ``batches`` are host arrays of the whole global batch, the
+    same on every process; each process feeds only its own rows of them."""
+    import jax
+
+    import jpipe
+    from jpipe import distributed
+
+    size = len(next(iter(batches[0].values())))
+    devs = distributed.mesh_devices(plan.pipe, plan.data, "pipe", devices)
+    mesh = jpipe.make_mesh(plan.pipe, plan.data, devs)
+    mine = distributed.local_rows(mesh, size)
+    placed = [distributed.global_batch(mesh, {k: v[mine] for k, v in b.items()}, size) for b in batches]
+    state = jpipe.init(model, plan, optimizer, placed[0], rng=jax.random.key(0), devices=devs)
+    t0 = time.perf_counter()
+    step = jpipe.train_step.lower(state, placed[0]).compile()
+    return state, step, placed, time.perf_counter() - t0
+
+
+def launch_two_processes(worker, args: list, timeout: float) -> int:
+    """Runs ``worker(*args)`` in 2 local processes of one CPU device each (``jax.distributed``), prints
+    process 0's output (and a failed process's tail to stderr); returns the exit status for ``sys.exit``."""
+    from jpipe import distributed
+
+    start = time.perf_counter()
+    results = distributed.launch_local(worker, num_processes=2, devices_per_process=1, timeout=timeout, args=args)
+    print(results[0].output, end="")
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"--- process {r.process_id}: exit {r.returncode}{' (killed)' if r.killed else ''}\n"
+              f"{r.output[-3000:]}", file=sys.stderr)
+    print(f"(2 processes, {time.perf_counter() - start:.0f}s in all)")
+    return 1 if failed else 0
+
+
 def worker(argv: list[str], local: bool) -> None:
     if not local:
         _own_core()  # before jax starts its runtime
@@ -325,20 +361,10 @@ def worker(argv: list[str], local: bool) -> None:
              "targets": rng.integers(0, 256, (B, args.seq_len), dtype=np.int32)} for _ in range(4)]
     optimizer = optax.adam(1e-3)
 
-    def compiled(plan):
-        """``(state, step, batches, compile seconds)`` of ``plan`` on the 2 devices."""
-        devs = distributed.mesh_devices(plan.pipe, plan.data, "pipe", devices)
-        mesh = jpipe.make_mesh(plan.pipe, plan.data, devs)
-        mine = distributed.local_rows(mesh, B)
-        batches = [distributed.global_batch(mesh, {k: v[mine] for k, v in b.items()}, B) for b in full]
-        state = jpipe.init(model, plan, optimizer, batches[0], rng=jax.random.key(0), devices=devs)
-        t0 = time.perf_counter()
-        step = jpipe.train_step.lower(state, batches[0]).compile()
-        return state, step, batches, time.perf_counter() - t0
-
     if not local:  # pipelined steps (after their compilation): they compute and exchange as the plans do
         warm = dict(zip(("state", "step", "batches"),
-                        compiled(jpipe.Plan(pipe=2, data=1, microbatches=2, schedule="1f1b"))))
+                        compile_plan(model, optimizer, jpipe.Plan(pipe=2, data=1, microbatches=2, schedule="1f1b"),
+                                     full, devices)))
 
         def warm_up(steps: int) -> None:
             for i in range(steps):
@@ -384,7 +410,7 @@ def worker(argv: list[str], local: bool) -> None:
     # that a change in the machine's load hits every plan alike; robust mean over all timed steps
     runs = []
     for cand in cands:
-        state, step, batches, compile_s = compiled(cand.plan)
+        state, step, batches, compile_s = compile_plan(model, optimizer, cand.plan, full, devices)
         for i in range(args.warmup):
             state, metrics = step(state, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
@@ -496,18 +522,7 @@ def main() -> None:
     if local:
         worker(sys.argv[1:], local=True)
         return
-    from jpipe import distributed
-
-    start = time.perf_counter()
-    results = distributed.launch_local(worker, num_processes=2, devices_per_process=1, timeout=args.timeout,
-                                       args=[sys.argv[1:], False])
-    print(results[0].output, end="")
-    failed = [r for r in results if not r.ok]
-    for r in failed:
-        print(f"--- process {r.process_id}: exit {r.returncode}{' (killed)' if r.killed else ''}\n"
-              f"{r.output[-3000:]}", file=sys.stderr)
-    print(f"(2 processes, {time.perf_counter() - start:.0f}s in all)")
-    sys.exit(1 if failed else 0)
+    sys.exit(launch_two_processes(worker, [sys.argv[1:], False], args.timeout))
 
 
 if __name__ == "__main__":

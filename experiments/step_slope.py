@@ -76,14 +76,9 @@ def worker(argv: list[str]) -> None:
                 for _ in range(4)]
 
     def build(plan: jpipe.Plan, global_batch: int) -> dict:
-        devs = distributed.mesh_devices(plan.pipe, plan.data, "pipe", devices)
-        mesh = jpipe.make_mesh(plan.pipe, plan.data, devs)
-        mine = distributed.local_rows(mesh, global_batch)
-        data = [distributed.global_batch(mesh, {k: v[mine] for k, v in b.items()}, global_batch)
-                for b in batches(global_batch)]
-        state = jpipe.init(model, plan, optimizer, data[0], rng=jax.random.key(0), devices=devs)
+        state, step, data, _ = pa.compile_plan(model, optimizer, plan, batches(global_batch), devices)
         return {"plan": plan, "B": global_batch, "state": state, "data": data, "times": [], "faults": [],
-                "step": jpipe.train_step.lower(state, data[0]).compile()}
+                "step": step}
 
     def step(run: dict, i: int) -> None:
         run["state"], metrics = run["step"](run["state"], run["data"][i % len(run["data"])])
@@ -130,16 +125,8 @@ def worker(argv: list[str]) -> None:
 
 
 def main() -> None:
-    from jpipe import distributed
-
     parse()  # --help and argument errors before any process starts
-    results = distributed.launch_local(worker, num_processes=2, devices_per_process=1, timeout=900,
-                                       args=[sys.argv[1:]])
-    print(results[0].output, end="")
-    failed = [r for r in results if not r.ok]
-    for r in failed:
-        print(f"--- process {r.process_id}: exit {r.returncode}\n{r.output[-3000:]}", file=sys.stderr)
-    sys.exit(1 if failed else 0)
+    sys.exit(pa.launch_two_processes(worker, [sys.argv[1:]], timeout=900))
 
 
 if __name__ == "__main__":
