@@ -6,7 +6,10 @@ tests that need them skip when that folder is absent.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import math
 import os
 import random
 
@@ -127,8 +130,13 @@ def test_profile_json_round_trip_and_scaling(tmp_path):
                       curve=((0.5, 1.5e-3, 2e-3), (2.0, 5e-3, 9e-3)))
     p = Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer,
                 comm=CommCost(exchange=((1e3, 1e-4), (1e5, 2e-3)), allreduce=((1e3, 1e-3), (1e6, 4e-3))))
+    p = dataclasses.replace(p, step_overhead=2e-3)
     p.save(tmp_path / "p.json")
     assert load(tmp_path / "p.json") == p
+    older = json.loads(p.to_json())
+    del older["step_overhead"]                                      # a profile saved before it was measured
+    assert Profile.from_json(json.dumps(older)).step_overhead == 0.0
+    assert p.scaled(8).step_overhead == 2e-3                         # a step's, whatever the micro-batch
     half = p.scaled(2)
     assert half.layers[0].forward == pytest.approx(1.5e-3)       # the measured point, not 4 / 2
     assert half.layers[0].activation_bytes == pytest.approx(500)
@@ -348,6 +356,8 @@ def test_profile_times_every_asked_size_and_the_optimizer_step():
     assert (at_32.forward, at_32.backward) == layer.curve[1][1:]   # a measured size is read, not scaled
     assert at_32.activation_bytes == 4 * layer.activation_bytes
     assert layer.update > 0 and p.pre.update > 0 and p.post.update > 0
+    # what train_step of pre, the layers and post took beyond its parts
+    assert math.isfinite(p.step_overhead) and 0 <= p.step_overhead
     with pytest.raises(ValueError, match="microbatch_sizes"):
         profile(model, mb, comm=False, microbatch_sizes=[0])
 
@@ -393,6 +403,15 @@ def test_step_prediction_adds_the_largest_stage_optimizer_step():
     plan = Plan(2, 1, 4, partition=(2, 4))
     extra = evaluate(with_update, plan, 16).step_time - evaluate(without, plan, 16).step_time
     assert extra == pytest.approx(4 * 1e-4 + 2 * 3e-4)   # 4 layers on the larger stage, pre and post on each
+
+
+def test_step_prediction_adds_the_step_overhead_once_per_step():
+    layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4)
+    bare = Profile(layers=(layer,) * 4, microbatch_size=4, pre=layer, post=layer)
+    for plan in (Plan(2, 1, 4), Plan(1, 2, 8), Plan(4, 1, 2, schedule="gpipe")):
+        extra = evaluate(dataclasses.replace(bare, step_overhead=5e-3), plan, 32).step_time \
+            - evaluate(bare, plan, 32).step_time
+        assert extra == pytest.approx(5e-3)                        # not per micro-batch, not per stage
 
 
 def test_robust_line_ignores_one_wild_point_that_least_squares_follows():

@@ -120,7 +120,10 @@ class Profile:
 
     ``cut_bytes[i]`` is what crosses a stage boundary placed after layer ``i``
     (default: that layer's output activation). ``comm`` is the mesh's measured
-    communication, if any.
+    communication, if any. ``step_overhead`` is the seconds a training step costs
+    beyond its parts (its buffers' set-up, the reductions of the loss and gradients
+    on a device, the launch): what ``jpipe.train_step`` measured above the sum of
+    its parts' times.
 
     >>> p = Profile(layers=(LayerCost("l0", 1e-3, 2e-3, 1024, 4096),) * 4, microbatch_size=2)
     >>> p.num_layers, p.scaled(4).layers[0].forward
@@ -137,6 +140,7 @@ class Profile:
     cut_bytes: tuple[float, ...] | None = None
     name: str = ""
     backend: str = ""
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(_layer_cost(l) for l in self.layers))
@@ -182,6 +186,7 @@ class Profile:
             "microbatch_size": self.microbatch_size, "pre": layer(self.pre),
             "layers": [layer(l) for l in self.layers], "post": layer(self.post),
             "cut_bytes": list(self.cut_bytes), "comm": None if self.comm is None else self.comm._asdict(),
+            "step_overhead": self.step_overhead,
         }, indent=1)
 
     @classmethod
@@ -195,7 +200,8 @@ class Profile:
         return cls(layers=tuple(layer(l) for l in d["layers"]), microbatch_size=d["microbatch_size"],
                    pre=layer(d["pre"]), post=layer(d["post"]),
                    comm=None if d["comm"] is None else CommCost(**d["comm"]),
-                   cut_bytes=tuple(d["cut_bytes"]), name=d.get("name", ""), backend=d.get("backend", ""))
+                   cut_bytes=tuple(d["cut_bytes"]), name=d.get("name", ""), backend=d.get("backend", ""),
+                   step_overhead=d.get("step_overhead", 0.0))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the profile as JSON; read it back with :func:`load`."""
@@ -512,12 +518,16 @@ def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) 
     return pre, layer, post
 
 
-def _timed(parts: Sequence[_Part], repeats: int, warmup: int) -> list[LayerCost]:
-    """Every part's per-layer forward and backward seconds, the runs timed in turns, a few calls each
-    (a machine whose speed drifts over seconds then bends no size's time against the others')."""
-    times = _mean_times([run for part in parts for run in (part.forward, part.forward_backward)], repeats, warmup)
+def _timed(parts: Sequence[_Part], repeats: int, warmup: int,
+           also: Sequence[Callable[[], Any]] = ()) -> tuple[list[LayerCost], list[float]]:
+    """Every part's per-layer forward and backward seconds, and the mean seconds of each run in
+    ``also``, the runs timed in turns, a few calls each (a machine whose speed drifts over seconds
+    then bends no size's time against the others')."""
+    runs = [run for part in parts for run in (part.forward, part.forward_backward)]
+    times = _mean_times([*runs, *also], repeats, warmup)
+    times, also_times = times[:len(runs)], times[len(runs):]
     return [part.cost._replace(forward=t_f / part.layers, backward=max(t_fb - t_f, 0.0) / part.layers)
-            for part, t_f, t_fb in zip(parts, times[::2], times[1::2])]
+            for part, t_f, t_fb in zip(parts, times[::2], times[1::2])], also_times
 
 
 def _update_runs(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> list[Callable[[], Any]]:
@@ -543,6 +553,27 @@ def _update_runs(model: Any, microbatch: Any, optimizer: Any, device: Any, seed:
         state = jax.jit(optimizer.init)(p)
         runs.append(lambda p=p, state=state: step(p, state))
     return runs
+
+
+def _step_run(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> Callable[[], Any]:
+    """A run of ``jpipe.train_step`` on ``device`` for the model cut to the timed stack of layers
+    (one micro-batch): its time less its parts' is what a step costs beyond them."""
+    import jax
+
+    from jpipe._plan import Plan
+    from jpipe._train import init, train_step
+
+    small = dataclasses.replace(model, num_layers=min(_STACK, model.num_layers))
+    batch = jax.device_put(microbatch, device)
+    state = [init(small, Plan(pipe=1, data=1, microbatches=1), optimizer, batch, rng=jax.random.key(seed),
+                  devices=[device])]
+    step = train_step.lower(state[0], batch).compile()
+
+    def run() -> Any:
+        state[0], metrics = step(state[0], batch)  # the state is donated: keep the new one
+        return state[0], metrics
+
+    return run
 
 
 def _resize(tree: Any, rows: int) -> Any:
@@ -742,6 +773,7 @@ class Profiler:
         self._parts = [part for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))
                        for part in _parts(model, mb, optimizer, local[0], seed)]
         self._updates = _update_runs(model, example_microbatch, optimizer, local[0], seed)
+        self._step = _step_run(model, example_microbatch, optimizer, local[0], seed)
         self._comm = None
         if comm and len(devices) > 1:
             pre, layer, post = self._parts[:3]
@@ -760,13 +792,18 @@ class Profiler:
         import jax
 
         repeats = self.repeats if repeats is None else repeats
-        costs = _timed(self._parts, repeats, self.warmup)
+        costs, (t_step,) = _timed(self._parts, repeats, self.warmup, also=[self._step])
         curves: list[list[tuple[float, float, float]]] = [[], [], []]
         for i, other in enumerate(self._others, 1):
             for curve, cost in zip(curves, costs[3 * i:3 * i + 3]):
                 curve.append((other / self._size, cost.forward, cost.backward))
         u_pre, u_layers, u_post = (_mean_time(run, repeats, self.warmup) for run in self._updates)
         updates = (u_pre, u_layers / self._model.num_layers, u_post)
+        # the step of pre, the stack of layers and post: what it costs beyond its parts
+        stack = self._parts[1].layers
+        parts = sum(c.forward * n + c.backward * n + u * n
+                    for c, u, n in zip(costs[:3], updates, (1, stack, 1)))
+        (step_overhead,) = _max_over_processes([max(t_step - parts, 0.0)])
         pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
                                              for cost, u, c in zip(costs[:3], updates, curves)])
         layers = tuple(layer._replace(name=f"layer_{i}") for i in range(self._model.num_layers))
@@ -784,7 +821,8 @@ class Profiler:
                 exchange = [(x, max(0.0, a + b * x)) for x, _ in exchange]
             comm_cost = CommCost(_points(exchange), allreduce)
         return Profile(layers=layers, microbatch_size=self._size, pre=pre, post=post, comm=comm_cost,
-                       name=type(self._model).__name__, backend=jax.default_backend())
+                       name=type(self._model).__name__, backend=jax.default_backend(),
+                       step_overhead=step_overhead)
 
 
 def profile(
