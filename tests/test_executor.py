@@ -240,3 +240,28 @@ def test_a_tick_exchanges_only_after_all_its_compute(schedule):
         first_send = next(i for i, line in enumerate(lines) if " collective-permute(" in line)
         late = [line.split("=")[0].strip() for line in lines[first_send:] if " conditional(" in line]
         assert not late, f"branches scheduled after the first ppermute: {late}"
+
+
+@pytest.fixture
+def unwritten_slots_hold_nan(monkeypatch):
+    """The executor's buffers start as NaN instead of ``lax.empty`` (zeros on CPU, garbage on GPU):
+    a step that ever read a slot before the table wrote it would get a NaN loss or gradient."""
+    from jpipe import _executor
+
+    monkeypatch.setattr(_executor, "_unwritten", lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
+                        if jnp.issubdtype(dtype, jnp.inexact) else jnp.zeros(shape, dtype))
+    jax.clear_caches()  # train_step compiled with the real buffers must not be reused
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name,pipe,microbatches,chunks,remat,fuse", [
+    pytest.param(name, 4, 5, 2 if _takes_chunks(generator) else 1, False, False, id=name)
+    for name, generator in sorted(jpipe.schedules.SCHEDULES.items())
+] + [pytest.param("1f1b", 4, 6, 1, True, False, id="1f1b-remat"),
+     pytest.param("1f1b-b", 4, 9, 1, False, True, id="1f1b-b-fused")])
+def test_no_unwritten_buffer_slot_is_ever_read(unwritten_slots_hold_nan, name, pipe, microbatches, chunks, remat,
+                                               fuse):
+    plan = jpipe.Plan(pipe, 8 // pipe, microbatches, schedule=name, virtual_stages=chunks, remat=remat,
+                      fuse_ticks=fuse)
+    assert_step_matches_sequential(make_model("nnx"), plan, make_batch(2 * (8 // pipe) * microbatches))
