@@ -851,10 +851,13 @@ def profile(
     interpolates between measured sizes instead of assuming times linear in
     the batch; the optimizer step on each part's weights (``optimizer``
     default ``optax.adam``); output activation, residual, parameter and
-    optimizer-state bytes. With ``comm``, also, over ``devices``, what a tick's
-    exchange of each size's activations adds to a tick that runs a stage's
-    forward (a scan of ticks timed with and without the ppermutes, in turns; with
-    three sizes or more, read off a :func:`robust_line` through them), and the
+    optimizer-state bytes; and what a training step costs beyond its parts
+    (``step_overhead``: ``jpipe.train_step`` of pre, the timed stack of layers and
+    post on one device, in turns with the parts, less their times). With
+    ``comm``, also, over ``devices``, what a tick's exchange of each size's
+    activations adds to a tick that runs a stage's forward (a scan of ticks
+    timed with and without the ppermutes, in turns; with three sizes or more,
+    read off a :func:`robust_line` through them), and the
     all-reduce at the gradient sizes a plan reduces. Under ``jax.distributed``
     every process must call it: each times its own first device, and every time
     in the result is the slowest process's (a lock-step step waits for it), the
