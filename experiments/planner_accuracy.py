@@ -19,7 +19,7 @@ local devices instead -- the same code path, unchanged.
    (``local_rows`` / ``global_batch``); the plans are timed in turns (``--rounds``) so that a shared
    machine's changing load hits them alike; the rounds' means give each mean's standard error.
 4. Profile again in every round, in turns with the plans (``partition.Profiler`` compiled the runs
-   once; ``--round-repeats`` calls each). The mean of these profiles saw the machine as the plans
+   once; ``--repeats`` calls each). The mean of these profiles saw the machine as the plans
    did: on this VM its speed drifts by 5-35 % over the minutes between the first profile and the
    measurement, which moved every error of the first prediction alike.
 5. Print, for the planner's own prediction (the first profile) and for the prediction from the mean
@@ -74,7 +74,7 @@ its cause is not found.
 Session 6 (2026-12-03): the first profile is taken minutes before the plans are measured, and on
 this VM the same work runs 5-35 % slower or faster over such minutes; that drift moved every error
 alike and decided the runs. ``partition.Profiler`` now compiles a profile's runs once and measures
-them again whenever asked (~3 s here with ``--round-repeats 10``), so the script profiles again in
+them again whenever asked (~3 s here with ``--round-repeats 10``, since renamed ``--repeats``), so the script profiles again in
 every round, in turns with the plans, and also predicts from the mean of those profiles: they saw
 the machine as the plans did. (Tried first: one profile before and one after the measurement,
 averaged. Run 2 of that: every plan 24-40 % slower than both profiles predicted -- the machine was
@@ -203,9 +203,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per plan and round")
     p.add_argument("--rounds", type=int, default=8, help="rounds of timing, every plan in turn")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=25, help="profiler repeats per measurement")
-    p.add_argument("--round-repeats", type=int, default=10,
-                   help="profiler repeats per measurement in each round's profile (taken in turns with the plans)")
+    p.add_argument("--repeats", type=int, default=10, help="profiler repeats per part in one profile")
+    p.add_argument("--profile-rounds", type=int, default=8,
+                   help="profiles taken back to back and averaged for the planner (partition.mean_profile)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the launcher kills the run")
     p.add_argument("--json", default=None, help="also write the table's rows to this JSON file")
     return p.parse_args(argv)
@@ -213,22 +213,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -------------------------------------------------------------------------------------------------
 # What every process runs
-
-
-def _mean_profile(profiles):
-    """The profile whose every time is the mean of ``profiles``' (which measured the same sizes)."""
-    from jpipe import partition
-
-    def mean(*xs):
-        if isinstance(xs[0], dict):
-            return {k: mean(*(x[k] for x in xs)) for k in xs[0]}
-        if isinstance(xs[0], list):
-            return [mean(*column) for column in zip(*xs, strict=True)]
-        if isinstance(xs[0], float) and len(set(xs)) > 1:
-            return statistics.fmean(xs)
-        return xs[0]
-
-    return partition.Profile.from_json(json.dumps(mean(*(json.loads(p.to_json()) for p in profiles))))
 
 
 def _key(plan) -> tuple:
@@ -405,8 +389,9 @@ def worker(argv: list[str], local: bool) -> None:
     t0 = time.perf_counter()
     profiler = partition.Profiler(model, mb, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
                                   repeats=args.repeats)
-
-    prof = profiler.measure()  # every time is the slowest process's: the same profile on every process
+    # every time is the slowest process's: the same profile on every process; several profiles back to
+    # back, averaged: one profile's exchange (a few seconds) missed the long run's by up to 2.8x
+    prof = profiler.measure(rounds=args.profile_rounds)
     say(f"cluster: {mode}; GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq_len}, "
         f"global batch {B}")
     say(f"profile ({time.perf_counter() - t0:.1f}s), forward/backward ms by micro-batch size:")
@@ -455,9 +440,9 @@ def worker(argv: list[str], local: bool) -> None:
             run["round_means"].append(partition.robust_mean(times))
         # 4. and the profile again in every round, in turns with the plans (compiled once: no compile here)
         t0 = time.perf_counter()
-        in_turns.append(profiler.measure(args.round_repeats))
+        in_turns.append(profiler.measure())
         profile_s += time.perf_counter() - t0
-    turns = _mean_profile(in_turns)
+    turns = partition.mean_profile(in_turns)
     say(f"\nprofiled again in every round ({profile_s / args.rounds:.1f}s a round)")
     rows = []
     for run in runs:

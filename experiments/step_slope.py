@@ -104,7 +104,7 @@ def worker(argv: list[str]) -> None:
                 run["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     if jax.process_index() != 0:
         return
-    prof = pa._mean_profile(profiles)
+    prof = partition.mean_profile(profiles)
     print(f"GPT 4 layers, d_model 64, seq 32, micro-batch {mb}; 2 processes; "
           f"keep freed memory: {'yes' if args.keep_freed_memory else 'no'}")
     print(f"{'pipe':>4} {'data':>4} {'M':>3} {'batch':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "

@@ -394,6 +394,51 @@ def test_profiler_measures_again_without_compiling():
     assert again.layers[0].forward > 0 and again.comm.allreduce[0][1] > 0
 
 
+def test_mean_profile_averages_every_time_and_keeps_every_size():
+    from jpipe.partition import mean_profile
+
+    def at(t: float) -> Profile:
+        layer = LayerCost("l", t, 2 * t, 1e3, 1e4, 2e4, update=t / 10, curve=((0.5, t / 2, t),))
+        comm = CommCost(exchange=((8e3, t), (64e3, 3 * t)), allreduce=((1e5, 5 * t),))
+        return Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer, post=layer, comm=comm,
+                       step_overhead=t, name="m")
+
+    mean = mean_profile([at(1e-3), at(2e-3), at(6e-3)])
+    expected = at(3e-3)
+    for got, want in zip([mean.pre, *mean.layers, mean.post], [expected.pre, *expected.layers, expected.post]):
+        assert got.name == want.name and got.activation_bytes == want.activation_bytes
+        assert got.curve[0][0] == 0.5                                   # sizes are not averaged
+        assert np.allclose([got.forward, got.backward, got.update, *got.curve[0][1:]],
+                           [want.forward, want.backward, want.update, *want.curve[0][1:]])
+    assert [x for x, _ in mean.comm.exchange] == [8e3, 64e3]
+    assert np.allclose([t for _, t in mean.comm.exchange + mean.comm.allreduce], [3e-3, 9e-3, 15e-3])
+    assert mean.step_overhead == pytest.approx(3e-3) and mean.microbatch_size == 4
+    assert mean_profile([at(1e-3)]) == at(1e-3)
+    shorter = dataclasses.replace(at(1e-3), layers=at(1e-3).layers[:2], cut_bytes=None)
+    with pytest.raises(ValueError, match="same sizes"):
+        mean_profile([at(1e-3), shorter])
+    with pytest.raises(ValueError, match="at least one"):
+        mean_profile([])
+
+
+def test_profiler_rounds_average_that_many_measurements(monkeypatch):
+    import jax.numpy as jnp
+
+    import jpipe.models
+    from jpipe.partition import Profiler, _profile
+
+    model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=2)
+    profiler = Profiler(model, {"x": jnp.ones((4, 4)), "y": jnp.zeros((4, 1))}, comm=False,
+                        microbatch_sizes=[4], warmup=0)
+    timed = _profile._timed
+    calls = []
+    monkeypatch.setattr(_profile, "_timed", lambda *a, **k: calls.append(1) or timed(*a, **k))
+    mean = profiler.measure(repeats=1, rounds=3)
+    assert len(calls) == 3 and mean.num_layers == 2 and mean.layers[0].forward > 0
+    with pytest.raises(ValueError, match="rounds"):
+        profiler.measure(rounds=0)
+
+
 def test_step_prediction_adds_the_largest_stage_optimizer_step():
     layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, update=1e-4)
     io = LayerCost("io", 1e-3, 1e-3, 1e3, 1e4, 2e4, update=3e-4)

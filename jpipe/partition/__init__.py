@@ -1,7 +1,8 @@
 """Planning: profile a model, model its cost, search partitions, replication and mesh shapes.
 
 - :func:`profile` measures a :class:`jpipe.Staged` model on the current backend
-  (:class:`Profiler` compiles once and measures again when asked);
+  (:class:`Profiler` compiles once and measures again when asked;
+  :func:`mean_profile` averages such profiles);
   :func:`read_graph_profile` reads DAPPLE's published PipeDream graph profiles.
 - :func:`dapple_latency` and :func:`dapple_plan` are DAPPLE's latency model and
   planner for a general :class:`Cluster`.
@@ -23,6 +24,7 @@ from jpipe.partition._profile import (
     Profile,
     Profiler,
     load,
+    mean_profile,
     measure_comm,
     profile,
     read_graph,
@@ -61,6 +63,7 @@ __all__ = [
     "evaluate",
     "format_candidates",
     "load",
+    "mean_profile",
     "measure_comm",
     "microbatch_sizes",
     "plan",

@@ -416,6 +416,39 @@ def robust_line(points: Sequence[Sequence[float]]) -> tuple[float, float]:
     return statistics.median(y - slope * x for x, y in pts), slope
 
 
+def mean_profile(profiles: Sequence[Profile]) -> Profile:
+    """The profile whose every time is the mean of ``profiles``' (taken of the same model at the same
+    sizes, e.g. by one :class:`Profiler` at several moments); sizes and names are the first's.
+
+    On a shared machine a part's or an exchange's time drifts over tens of seconds, so the mean of
+    profiles spread over a minute predicts a long run better than any one of them.
+
+    >>> a = Profile(layers=(LayerCost("l", 1e-3, 2e-3, 64, 256),), microbatch_size=2, step_overhead=1e-3)
+    >>> b = Profile(layers=(LayerCost("l", 3e-3, 2e-3, 64, 256),), microbatch_size=2, step_overhead=3e-3)
+    >>> m = mean_profile([a, b])
+    >>> m.layers[0].forward, m.layers[0].backward, m.step_overhead
+    (0.002, 0.002, 0.002)
+    """
+    if not profiles:
+        raise ValueError("mean_profile needs at least one profile")
+
+    def mean(*xs: Any) -> Any:
+        if isinstance(xs[0], dict):
+            if any(set(x) != set(xs[0]) for x in xs):
+                raise ValueError("mean_profile: the profiles disagree on which parts they hold")
+            return {k: mean(*(x[k] for x in xs)) for k in xs[0]}
+        if isinstance(xs[0], list):
+            if any(len(x) != len(xs[0]) for x in xs):
+                raise ValueError("mean_profile: the profiles were measured at different sizes or layer counts; "
+                                 "average only profiles of the same model at the same sizes")
+            return [mean(*column) for column in zip(*xs)]
+        if isinstance(xs[0], float) and len(set(xs)) > 1:  # equal sizes stay exactly equal
+            return statistics.fmean(xs)
+        return xs[0]
+
+    return Profile.from_json(json.dumps(mean(*(json.loads(p.to_json()) for p in profiles))))
+
+
 def _mean_times(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int, block: int = 5) -> list[float]:
     """:func:`robust_mean` seconds of each of ``fns`` over ``repeats`` calls, timed in blocks of
     ``block`` calls, the functions in turns, so that a drift in the machine's speed hits them alike.
@@ -787,12 +820,25 @@ class Profiler:
                  for s in (size, *self._others)],
             )
 
-    def measure(self, repeats: int | None = None) -> Profile:
-        """Times every part now (``repeats`` calls each, default the constructor's) into a :class:`Profile`."""
+    def measure(self, repeats: int | None = None, rounds: int = 1) -> Profile:
+        """Times every part now (``repeats`` calls each, default the constructor's) into a :class:`Profile`;
+        with ``rounds`` > 1, that many times back to back, averaged by :func:`mean_profile` (a profile
+        spread over more time sees more of a machine whose speed drifts)."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        if rounds > 1:
+            return mean_profile([self.measure(repeats) for _ in range(rounds)])
         import jax
 
         repeats = self.repeats if repeats is None else repeats
-        costs, (t_step,) = _timed(self._parts, repeats, self.warmup, also=[self._step])
+        # the communication is timed in turns with the parts, not after them: on a shared machine what an
+        # exchange costs drifts over tens of seconds (gloo on 2 CPU processes: 0.9-2.4 ms a tick at 128 KiB
+        # in 5 s windows), and a profile should see it over the same span as the compute it is set against
+        num_devices, comm_runs, exchange_runs = self._comm if self._comm is not None else (0, _CommRuns([], []), [])
+        also = [self._step, *(fn for _, fn in comm_runs.allreduce),
+                *(run for _, with_exchange, without in exchange_runs for run in (with_exchange, without))]
+        costs, (t_step, *t_comm) = _timed(self._parts, repeats, self.warmup, also=also)
+        t_allreduce, t_exchange = t_comm[:len(comm_runs.allreduce)], t_comm[len(comm_runs.allreduce):]
         curves: list[list[tuple[float, float, float]]] = [[], [], []]
         for i, other in enumerate(self._others, 1):
             for curve, cost in zip(curves, costs[3 * i:3 * i + 3]):
@@ -809,17 +855,16 @@ class Profiler:
         layers = tuple(layer._replace(name=f"layer_{i}") for i in range(self._model.num_layers))
         comm_cost = None
         if self._comm is not None:
-            n, runs, exchange_runs = self._comm
-            allreduce = _time_comm(runs, n, _EXCHANGE_TICKS, repeats, self.warmup).allreduce
-            exchange = []
-            for nbytes, with_exchange, without in exchange_runs:
-                t_with, t_without = _mean_times([with_exchange, without], repeats, self.warmup)
-                (seconds,) = _max_over_processes([max(t_with - t_without, 0.0) / _EXCHANGE_TICKS])
-                exchange.append((nbytes, seconds))
+            ticks = [max(t_with - t_without, 0.0) / _EXCHANGE_TICKS
+                     for t_with, t_without in zip(t_exchange[::2], t_exchange[1::2])]
+            worst = _max_over_processes([*t_allreduce, *ticks])  # every process plans from the same numbers
+            allreduce = [(2.0 * s * (num_devices - 1) / num_devices, t)
+                         for (s, _), t in zip(comm_runs.allreduce, worst)]
+            exchange = [(nbytes, t) for (nbytes, _, _), t in zip(exchange_runs, worst[len(t_allreduce):])]
             if len(exchange) >= 3:  # each size is a difference of two noisy times: read them off a robust line
                 a, b = robust_line(exchange)
                 exchange = [(x, max(0.0, a + b * x)) for x, _ in exchange]
-            comm_cost = CommCost(_points(exchange), allreduce)
+            comm_cost = CommCost(_points(exchange), _points(allreduce))
         return Profile(layers=layers, microbatch_size=self._size, pre=pre, post=post, comm=comm_cost,
                        name=type(self._model).__name__, backend=jax.default_backend(),
                        step_overhead=step_overhead)
@@ -836,6 +881,7 @@ def profile(
     warmup: int = 2,
     comm: bool = True,
     seed: int = 0,
+    rounds: int = 1,
 ) -> Profile:
     """Measures a :class:`jpipe.Staged` model on the current backend.
 
@@ -856,12 +902,15 @@ def profile(
     post on one device, in turns with the parts, less their times). With
     ``comm``, also, over ``devices``, what a tick's exchange of each size's
     activations adds to a tick that runs a stage's forward (a scan of ticks
-    timed with and without the ppermutes, in turns; with three sizes or more,
-    read off a :func:`robust_line` through them), and the
-    all-reduce at the gradient sizes a plan reduces. Under ``jax.distributed``
-    every process must call it: each times its own first device, and every time
-    in the result is the slowest process's (a lock-step step waits for it), the
-    same profile on every process.
+    timed with and without the ppermutes; with three sizes or more, read off a
+    :func:`robust_line` through them), and the all-reduce at the gradient
+    sizes a plan reduces, both in turns with the parts. Under
+    ``jax.distributed`` every process must call it: each times its own first
+    device, and every time in the result is the slowest process's (a lock-step
+    step waits for it), the same profile on every process. With ``rounds`` > 1,
+    the mean (:func:`mean_profile`) of that many profiles taken back to back: on
+    a shared machine an exchange's cost drifts over tens of seconds, and one
+    profile of a few seconds can miss a long run's mean by 2x.
 
     >>> import jax.numpy as jnp, jpipe.models
     >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=3)
@@ -872,4 +921,4 @@ def profile(
     """
     return Profiler(model, example_microbatch, optimizer=optimizer, devices=devices,
                     microbatch_sizes=microbatch_sizes, repeats=repeats, warmup=warmup, comm=comm,
-                    seed=seed).measure()
+                    seed=seed).measure(rounds=rounds)
