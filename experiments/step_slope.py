@@ -12,7 +12,7 @@ the profiles) and measured, with each step's minor page faults (``ru_minflt``, p
     python experiments/step_slope.py --keep-freed-memory  # glibc keeps freed memory (mallopt)
 
 Same cluster set-up as ``planner_accuracy.py`` (one core per process, single-threaded XLA, the
-computing threads ``SCHED_IDLE``). Session 7's figures are in that script's docstring: data=2's
+computing threads ``SCHED_IDLE``). Session 7's figures are in ``planner_accuracy.md``: data=2's
 slope within -10..+3 % of the prediction, pipe=2's 17-33 % above it in 5 of 6 runs; with
 ``--keep-freed-memory`` (no more faults) within 5 % in 2 runs and 18 % above in a third.
 """
