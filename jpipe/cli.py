@@ -204,13 +204,15 @@ def _add_plan(commands) -> None:
     add("--heads", type=int, default=4, help="attention heads")
     add("--memory-limit", type=float, default=None, metavar="MIB",
         help="MiB per device (default: what the device reports, else no limit)")
+    add("--profile-rounds", type=int, default=1, metavar="N",
+        help="profiles taken back to back and averaged: steadier on a shared machine, N times the profiling")
     add("--top", type=int, default=20, help="candidates to print (0: all)")
     plan.set_defaults(run=_plan, plan_parser=plan)
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sub = args.plan_parser
-    for name in ("devices", "batch_size", "seq_len", "layers", "d_model", "heads"):
+    for name in ("devices", "batch_size", "seq_len", "layers", "d_model", "heads", "profile_rounds"):
         if getattr(args, name) < 1:
             sub.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size < args.devices:
@@ -228,7 +230,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                            num_layers=args.layers)
         tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
         limit = None if args.memory_limit is None else args.memory_limit * 2**20
-        choice = jpipe.plan(model, {"tokens": tokens, "targets": tokens}, devices=devices, memory_limit=limit)
+        choice = jpipe.plan(model, {"tokens": tokens, "targets": tokens}, devices=devices, memory_limit=limit,
+                            profile_rounds=args.profile_rounds)
     except ValueError as e:
         sub.error(str(e))
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {args.seq_len} tokens; "

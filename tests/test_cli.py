@@ -172,3 +172,14 @@ def test_schedule_show(tmp_path, capsys):
 def test_examples_run(name, capsys):
     runpy.run_path(os.path.join(ROOT, "examples", name), run_name="__main__")  # each asserts it learned
     assert "loss" in capsys.readouterr().out
+
+
+def test_plan_prints_the_ranked_candidates(capsys):
+    assert cli.main(["plan", "--devices", "2", "--batch-size", "4", "--seq-len", "8", "--layers", "2",
+                     "--d-model", "16", "--heads", "2", "--profile-rounds", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 4 on 2" in out and "chosen: pipe" in out
+    assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--profile-rounds", "0"])
+    assert "--profile-rounds must be >= 1" in capsys.readouterr().err

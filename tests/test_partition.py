@@ -439,6 +439,25 @@ def test_profiler_rounds_average_that_many_measurements(monkeypatch):
         profiler.measure(rounds=0)
 
 
+def test_plan_profiles_that_many_rounds(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    import jpipe
+    import jpipe.models
+    from jpipe.partition import _profile
+
+    model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+    timed = _profile._timed
+    calls = []
+    monkeypatch.setattr(_profile, "_timed", lambda *a, **k: calls.append(1) or timed(*a, **k))
+    choice = jpipe.plan(model, batch, devices=jax.devices()[:2], profile_rounds=2)
+    assert len(calls) == 2 and choice.plan.pipe * choice.plan.data == 2
+    with pytest.raises(ValueError, match="profile_rounds must be >= 1"):
+        jpipe.plan(model, batch, devices=jax.devices()[:2], profile_rounds=0)
+
+
 def test_step_prediction_adds_the_largest_stage_optimizer_step():
     layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, update=1e-4)
     io = LayerCost("io", 1e-3, 1e-3, 1e3, 1e4, 2e4, update=3e-4)

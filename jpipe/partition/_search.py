@@ -282,14 +282,17 @@ def _device_memory(devices: Sequence[Any]) -> float | None:
 def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
          memory_limit: float | None = None, *, profile: Profile | None = None,
          schedules: Sequence[str] = DEFAULT_SCHEDULES, optimizer: Any = None,
-         max_microbatches: int = 64) -> PlanChoice:
+         max_microbatches: int = 64, profile_rounds: int = 1) -> PlanChoice:
     """Profiles ``model`` and returns the fastest predicted :class:`jpipe.Plan` that fits, with a ranked table.
 
     Searches mesh shapes (``pipe x data = len(devices)``), uneven partitions
     (:func:`balanced_partition`: ``pre`` on the first stage, ``post`` on the
     last), micro-batch counts and schedules, predicting each step with
     :func:`evaluate`. ``memory_limit`` is bytes per device (default: what the
-    device reports, else no limit). Pass a ``profile`` to skip measuring.
+    device reports, else no limit). Pass a ``profile`` to skip measuring, or
+    ``profile_rounds`` > 1 to plan from the mean of that many profiles taken back
+    to back (:func:`partition.profile`'s ``rounds``): on a shared machine one
+    profile of a few seconds can catch a slow spell and rank plans by it.
 
     >>> import jax, jax.numpy as jnp, jpipe, jpipe.models
     >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
@@ -302,13 +305,16 @@ def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
 
     from jpipe.partition._profile import profile as measure
 
+    if profile_rounds < 1:
+        raise ValueError(f"profile_rounds must be >= 1 (profiles averaged), got {profile_rounds}")
     devices = list(jax.devices() if devices is None else devices)
     batch = _batch_size(example_batch)
     if profile is None:
         mb = max(1, batch // len(devices))
         microbatch = jax.tree.map(lambda a: a[:mb], example_batch)
         sizes = profile_sizes(len(devices), batch, max_microbatches)
-        profile = measure(model, microbatch, optimizer=optimizer, devices=devices, microbatch_sizes=sizes)
+        profile = measure(model, microbatch, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
+                          rounds=profile_rounds)
     if memory_limit is None:
         memory_limit = _device_memory(devices)
     return search(profile, len(devices), batch, memory_limit=memory_limit, schedules=schedules,
