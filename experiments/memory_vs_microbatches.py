@@ -81,7 +81,7 @@ def main() -> None:
             for m in args.microbatches:
                 r = measure(schedule, m, pipe=args.pipe, data=args.data,
                             microbatch_size=args.microbatch_size, remat=remat)
-                print(f"{r['schedule']:>8} {str(r['remat']):>5} {r['M']:>4} {r['held']:>4} "
+                print(f"{r['schedule']:>8} {r['remat']!s:>5} {r['M']:>4} {r['held']:>4} "
                       f"{r['temp'] / 1024:>10.0f} {r['argument'] / 1024:>12.0f} {r['compile_s']:>9.2f}")
 
 

@@ -119,7 +119,7 @@ def main() -> None:
         for label, name, options in SCHEDULES:
             sim = simulated(name, options, P, M)
             row = (f"{label:<16} {M:>3} {sim['lock']:>11.3f} {sim['async']:>12.3f} {sim['price']:>10.3f} "
-                   f"{str(sim['held']):<18}")
+                   f"{sim['held']!s:<18}")
             if args.no_exec:
                 print(row)
                 continue

@@ -23,7 +23,6 @@ For P = 4 and each M, per schedule and tick kind this prints
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -89,7 +88,7 @@ def main() -> None:
             for fused in (False, True):
                 sim = simulated(fuse_ticks(table) if fused else table)
                 rows.append(f"{name:<8} {'fused' if fused else '1 lane':<6} {M:>3} {sim['ticks']:>5} "
-                            f"{sim['lock']:>9.0f} {sim['async']:>5.0f} {str(sim['held']):<16}")
+                            f"{sim['lock']:>9.0f} {sim['async']:>5.0f} {sim['held']!s:<16}")
                 plans.append(jpipe.Plan(P, data, M, schedule=name, fuse_ticks=fused))
         if args.no_exec:
             print("\n".join(rows), flush=True)

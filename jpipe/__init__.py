@@ -9,8 +9,8 @@ from jpipe import averaging, schedules
 from jpipe._mesh import make_mesh
 from jpipe._model import Staged
 from jpipe._plan import Plan
-from jpipe.averaging import ElasticAveraging
 from jpipe._train import NonFiniteError, TrainState, compiled_memory, init, to_sequential, train_step
+from jpipe.averaging import ElasticAveraging
 from jpipe.partition import plan
 
 __version__ = "0.1.0"

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jpipe._plan import Plan
-from jpipe.schedules import Costs, simulate
 from jpipe.partition._profile import CommCost, Profile
+from jpipe.schedules import Costs, simulate
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "1f1b-b")
 

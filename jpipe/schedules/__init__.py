@@ -6,6 +6,7 @@
 [4, 3, 2, 1]
 """
 
+from jpipe.schedules._csv import format_orders, load_table, read_orders
 from jpipe.schedules._generators import (
     SCHEDULES,
     advance_forward,
@@ -19,7 +20,6 @@ from jpipe.schedules._generators import (
     zb_h2,
     zero_bubble,
 )
-from jpipe.schedules._csv import format_orders, load_table, read_orders
 from jpipe.schedules._plot import gantt_png, main_show
 from jpipe.schedules._render import ascii_gantt
 from jpipe.schedules._simulate import Costs, SimResult, simulate
@@ -27,9 +27,9 @@ from jpipe.schedules._table import (
     BACKWARD,
     FIELDS,
     FORWARD,
-    WEIGHT,
     IDLE,
     NO_SLOT,
+    WEIGHT,
     Action,
     ScheduleError,
     Table,
