@@ -5,16 +5,17 @@ gloo collectives over 127.0.0.1, started by ``jpipe.distributed.launch_local``) 
 With accelerators present, or with ``--local``, the script runs in this process on the first two
 local devices instead -- the same code path, unchanged.
 
-0. On CPU each process is pinned to a core of its own with single-threaded XLA: two processes
-   sharing two cores would make a data-parallel step (both compute at once) look slower than the
-   profile, which times one device alone.
+0. On CPU each process gets its share of the cores (one each on a 2-core machine) and
+   single-threaded XLA: two processes sharing cores would make a data-parallel step (both compute
+   at once) look slower than the profile, which times one device alone. With one core each, the
+   computing threads get the ``SCHED_IDLE`` policy, so that gloo's threads run the moment they wake.
 1. Profile the model on the cluster with ``jpipe.partition.Profiler``: every process times the
    layers on its own device, the exchange and the all-reduces run over both devices, and every time
    is the slowest process's, so that every process plans from the same numbers (and builds the
    same partitions). The planner gets the mean of ``--profile-rounds`` profiles taken back to back
    (``Profiler.measure(rounds=...)``, about 40 s here): one profile's exchange missed the long run's
    by up to 2.8x.
-2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over 2 devices:
+2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over the devices: on 2,
    ``pipe=2, data=1`` with M in ``--microbatches`` x ``--schedules``, and ``pipe=1, data=2``.
 3. Measure every candidate's mean step time (``partition.robust_mean``: the planner adds up means)
    with ``jpipe.train_step`` on the 2-device mesh, each process feeding only its own rows
@@ -31,6 +32,7 @@ local devices instead -- the same code path, unchanged.
 
     python experiments/planner_accuracy.py                 # 2 CPU processes (5-10 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
+    python experiments/planner_accuracy.py --devices 1     # one device: compute only (one GPU)
     python experiments/planner_accuracy.py --json out.json # also write the rows
 
 Target (issue 5): every prediction within 25 % and the fastest plan chosen.
@@ -55,7 +57,9 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local", action="store_true",
-                   help="use the first 2 local devices of this process (default when accelerators exist)")
+                   help="use the first --devices local devices of this process (default when accelerators exist)")
+    p.add_argument("--devices", type=int, default=2,
+                   help="devices in the cluster: CPU processes of one device each, or local devices (default 2)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -101,14 +105,19 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def _own_core() -> None:
-    """Pins this process to one core of its own (and XLA to one thread), so that the two CPU
-    processes are two independent devices, as on a real cluster, not two programs sharing cores."""
+def _own_cores(processes: int = 2) -> int:
+    """Gives this process its share of the cores (``len(cores) // processes``, at least one) and XLA one
+    compute thread, so that the CPU processes are independent devices, as on a real cluster, not
+    programs competing for cores. Returns how many cores this process got."""
     cores = sorted(os.sched_getaffinity(0))
     index = int(os.environ.get("JPIPE_PROCESS_ID", "0"))
-    if len(cores) >= 2:
-        os.sched_setaffinity(0, {cores[index % len(cores)]})
+    share = max(1, len(cores) // processes)
+    if len(cores) >= processes:
+        os.sched_setaffinity(0, set(cores[index * share:(index + 1) * share]))
+    else:
+        share = len(cores)  # fewer cores than processes: every process shares all of them
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    return share
 
 
 def _thread_cpu_seconds() -> dict[int, float]:
@@ -178,25 +187,26 @@ def compile_plan(model, optimizer, plan, batches: list[dict], devices: list) -> 
     return state, step, placed, time.perf_counter() - t0
 
 
-def launch_two_processes(worker, args: list, timeout: float) -> int:
-    """Runs ``worker(*args)`` in 2 local processes of one CPU device each (``jax.distributed``), prints
-    process 0's output (and a failed process's tail to stderr); returns the exit status for ``sys.exit``."""
+def launch_processes(worker, args: list, processes: int, timeout: float) -> int:
+    """Runs ``worker(*args)`` in ``processes`` local processes of one CPU device each (``jax.distributed``),
+    prints process 0's output (and a failed process's tail to stderr); returns the exit status for ``sys.exit``."""
     from jpipe import distributed
 
     start = time.perf_counter()
-    results = distributed.launch_local(worker, num_processes=2, devices_per_process=1, timeout=timeout, args=args)
+    results = distributed.launch_local(worker, num_processes=processes, devices_per_process=1, timeout=timeout,
+                                       args=args)
     print(results[0].output, end="")
     failed = [r for r in results if not r.ok]
     for r in failed:
         print(f"--- process {r.process_id}: exit {r.returncode}{' (killed)' if r.killed else ''}\n"
               f"{r.output[-3000:]}", file=sys.stderr)
-    print(f"(2 processes, {time.perf_counter() - start:.0f}s in all)")
+    print(f"({processes} processes, {time.perf_counter() - start:.0f}s in all)")
     return 1 if failed else 0
 
 
 def worker(argv: list[str], local: bool) -> None:
-    if not local:
-        _own_core()  # before jax starts its runtime
+    n = parse(argv).devices
+    cores = 0 if local else _own_cores(n)  # before jax starts its runtime
     import jax
     import numpy as np
     import optax
@@ -206,16 +216,17 @@ def worker(argv: list[str], local: bool) -> None:
 
     args = parse(argv)
     if local:
-        devices = list(jax.local_devices())[:2]
-        if len(devices) < 2:
-            raise SystemExit(f"--local needs 2 local devices, this process has {len(jax.local_devices())}; "
-                             f"run without --local on a CPU machine (2 processes)")
+        devices = list(jax.local_devices())[:n]
+        if len(devices) < n:
+            raise SystemExit(f"--local needs {n} local devices, this process has {len(jax.local_devices())}; "
+                             f"pass --devices {len(jax.local_devices())}, or run without --local on a CPU machine "
+                             f"({n} processes)")
         mode = f"1 process, {devices[0].platform} devices {[d.id for d in devices]}"
     else:
         info = distributed.initialize()
         devices = list(jax.devices())
-        if len(devices) != 2:
-            raise SystemExit(f"expected 2 devices over the processes, got {len(devices)}")
+        if len(devices) != n:
+            raise SystemExit(f"expected {n} devices over the processes, got {len(devices)}")
         mode = f"{info.num_processes} processes x {len(info.local_devices)} {devices[0].platform} device"
     me = jax.process_index()
 
@@ -230,9 +241,9 @@ def worker(argv: list[str], local: bool) -> None:
              "targets": rng.integers(0, 256, (B, args.seq_len), dtype=np.int32)} for _ in range(4)]
     optimizer = optax.adam(1e-3)
 
-    if not local:  # pipelined steps (after their compilation): they compute and exchange as the plans do
+    if cores == 1:  # pipelined steps (after their compilation): they compute and exchange as the plans do
         warm = dict(zip(("state", "step", "batches"),
-                        compile_plan(model, optimizer, jpipe.Plan(pipe=2, data=1, microbatches=2, schedule="1f1b"),
+                        compile_plan(model, optimizer, jpipe.Plan(pipe=2, data=n // 2, microbatches=2, schedule="1f1b"),
                                      full, devices)))
 
         def warm_up(steps: int) -> None:
@@ -246,8 +257,8 @@ def worker(argv: list[str], local: bool) -> None:
         del warm
 
     # 1. profile (the micro-batch jpipe.plan profiles at: the batch split over the devices)
-    mb = {k: v[: B // 2] for k, v in full[0].items()}
-    sizes = partition.microbatch_sizes(2, B, max(args.microbatches))  # every size a candidate uses
+    mb = {k: v[: B // n] for k, v in full[0].items()}
+    sizes = partition.microbatch_sizes(n, B, max(args.microbatches))  # every size a candidate uses
 
     t0 = time.perf_counter()
     profiler = partition.Profiler(model, mb, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
@@ -266,11 +277,12 @@ def worker(argv: list[str], local: bool) -> None:
     say(f"optimizer update ms: pre {prof.pre.update * 1e3:.3f}, layer {prof.layers[0].update * 1e3:.3f}, "
         f"post {prof.post.update * 1e3:.3f}")
     c = prof.comm
-    say("comm: exchange added to a computing tick " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.exchange)
-        + "; all-reduce " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.allreduce))
+    if c is not None:  # one device: no communication to profile
+        say("comm: exchange added to a computing tick " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.exchange)
+            + "; all-reduce " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.allreduce))
 
     # 2. predict
-    choice = partition.search(prof, 2, B, schedules=args.schedules, max_microbatches=max(args.microbatches))
+    choice = partition.search(prof, n, B, schedules=args.schedules, max_microbatches=max(args.microbatches))
     cands = [cd for cd in choice.candidates
              if cd.plan.microbatches in (1, *args.microbatches)]
     cands.sort(key=lambda cd: _key(cd.plan))  # the same order on every process
@@ -382,17 +394,19 @@ def worker(argv: list[str], local: bool) -> None:
 
 def main() -> None:
     args = parse()
-    local = args.local
+    if args.devices < 1 or (args.devices > 1 and args.devices % 2):
+        raise SystemExit(f"--devices {args.devices}: pass 1 or an even number")
+    local = args.local or args.devices == 1
     if not local:
         import jax  # a look at the backend only; the launched processes start their own runtime
 
         if jax.default_backend() != "cpu":
-            print(f"accelerators found ({jax.default_backend()}): running on the first 2 local devices")
+            print(f"accelerators found ({jax.default_backend()}): running on the first {args.devices} local devices")
             local = True
     if local:
         worker(sys.argv[1:], local=True)
         return
-    sys.exit(launch_two_processes(worker, [sys.argv[1:], False], args.timeout))
+    sys.exit(launch_processes(worker, [sys.argv[1:], False], args.devices, args.timeout))
 
 
 if __name__ == "__main__":
