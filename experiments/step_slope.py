@@ -127,7 +127,7 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     parse()  # --help and argument errors before any process starts
-    sys.exit(pa.launch_two_processes(worker, [sys.argv[1:]], timeout=900))
+    sys.exit(pa.launch_processes(worker, [sys.argv[1:]], processes=2, timeout=900))
 
 
 if __name__ == "__main__":
