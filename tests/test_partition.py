@@ -33,6 +33,7 @@ from jpipe.partition import (
     stage_costs,
 )
 from jpipe.partition._dapple import _place
+from jpipe.partition._profile import interpolate
 
 PROFILES = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
                                          "dapple-profiles"))
@@ -130,12 +131,15 @@ def test_profile_json_round_trip_and_scaling(tmp_path):
                       curve=((0.5, 1.5e-3, 2e-3), (2.0, 5e-3, 9e-3)))
     p = Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer,
                 comm=CommCost(exchange=((1e3, 1e-4), (1e5, 2e-3)), allreduce=((1e3, 1e-3), (1e6, 4e-3))))
-    p = dataclasses.replace(p, step_overhead=2e-3)
+    p = dataclasses.replace(p, step_overhead=2e-3, stash_copy=((1e5, 3e-6), (1e4, 4e-7)))
+    assert p.stash_copy == ((1e4, 4e-7), (1e5, 3e-6))               # points sorted by bytes
     p.save(tmp_path / "p.json")
     assert load(tmp_path / "p.json") == p
     older = json.loads(p.to_json())
-    del older["step_overhead"]                                      # a profile saved before it was measured
+    del older["step_overhead"], older["stash_copy"]                 # a profile saved before they were measured
     assert Profile.from_json(json.dumps(older)).step_overhead == 0.0
+    assert Profile.from_json(json.dumps(older)).stash_copy == ()
+    assert p.scaled(8).stash_copy == p.stash_copy                    # keyed by bytes, not by batch
     assert p.scaled(8).step_overhead == 2e-3                         # a step's, whatever the micro-batch
     half = p.scaled(2)
     assert half.layers[0].forward == pytest.approx(1.5e-3)       # the measured point, not 4 / 2
@@ -358,6 +362,9 @@ def test_profile_times_every_asked_size_and_the_optimizer_step():
     assert layer.update > 0 and p.pre.update > 0 and p.post.update > 0
     # what train_step of pre, the layers and post took beyond its parts
     assert math.isfinite(p.step_overhead) and 0 <= p.step_overhead
+    # a stash slot's copy, at each size: the timed stack's (all 3 layers') residuals
+    assert [nbytes for nbytes, _ in p.stash_copy] == [3 * p.scaled(s).layers[0].residual_bytes for s in (2, 8, 32)]
+    assert all(t > 0 for _, t in p.stash_copy)
     with pytest.raises(ValueError, match="microbatch_sizes"):
         profile(model, mb, comm=False, microbatch_sizes=[0])
 
@@ -401,7 +408,7 @@ def test_mean_profile_averages_every_time_and_keeps_every_size():
         layer = LayerCost("l", t, 2 * t, 1e3, 1e4, 2e4, update=t / 10, curve=((0.5, t / 2, t),))
         comm = CommCost(exchange=((8e3, t), (64e3, 3 * t)), allreduce=((1e5, 5 * t),))
         return Profile(layers=(layer,) * 3, microbatch_size=4, pre=layer, post=layer, comm=comm,
-                       step_overhead=t, name="m")
+                       step_overhead=t, name="m", stash_copy=((1e4, t), (1e5, 4 * t)))
 
     mean = mean_profile([at(1e-3), at(2e-3), at(6e-3)])
     expected = at(3e-3)
@@ -413,6 +420,8 @@ def test_mean_profile_averages_every_time_and_keeps_every_size():
     assert [x for x, _ in mean.comm.exchange] == [8e3, 64e3]
     assert np.allclose([t for _, t in mean.comm.exchange + mean.comm.allreduce], [3e-3, 9e-3, 15e-3])
     assert mean.step_overhead == pytest.approx(3e-3) and mean.microbatch_size == 4
+    assert [x for x, _ in mean.stash_copy] == [1e4, 1e5]
+    assert np.allclose([t for _, t in mean.stash_copy], [3e-3, 12e-3])
     assert mean_profile([at(1e-3)]) == at(1e-3)
     shorter = dataclasses.replace(at(1e-3), layers=at(1e-3).layers[:2], cut_bytes=None)
     with pytest.raises(ValueError, match="same sizes"):
@@ -476,6 +485,22 @@ def test_step_prediction_adds_the_step_overhead_once_per_step():
         extra = evaluate(dataclasses.replace(bare, step_overhead=5e-3), plan, 32).step_time \
             - evaluate(bare, plan, 32).step_time
         assert extra == pytest.approx(5e-3)                        # not per micro-batch, not per stage
+
+
+def test_step_prediction_adds_a_stash_copy_per_action_where_a_device_holds_two_microbatches():
+    layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, 5e3)      # 5 kB of residuals a layer at 4 samples
+    bare = Profile(layers=(layer,) * 4, microbatch_size=4, pre=layer, post=layer)
+    copying = dataclasses.replace(bare, stash_copy=((1e4, 1e-4), (1e5, 1e-3)))
+    for plan in (Plan(2, 1, 4), Plan(2, 1, 4, schedule="gpipe"), Plan(4, 1, 4)):
+        assert plan._generate_table().res_depth > 1
+        extra = evaluate(copying, plan, 16).step_time - evaluate(bare, plan, 16).step_time
+        # every forward and backward copies one slot of the largest stage's residuals (4 / pipe layers),
+        # so every tick of the lock-step grows by one copy
+        slot = 4 // plan.pipe * 5e3
+        assert extra == pytest.approx(plan._generate_table().num_ticks * interpolate(copying.stash_copy, slot))
+    # one slot (data parallel, or M=1), or nothing stashed (remat): no copy
+    for plan in (Plan(1, 2, 4), Plan(2, 1, 1), Plan(2, 1, 4, remat=True)):
+        assert evaluate(copying, plan, 16).step_time == evaluate(bare, plan, 16).step_time
 
 
 def test_robust_line_ignores_one_wild_point_that_least_squares_follows():

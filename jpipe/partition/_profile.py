@@ -9,6 +9,7 @@ PipeDream / DAPPLE graph profiles the DAPPLE authors published).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -123,7 +124,10 @@ class Profile:
     communication, if any. ``step_overhead`` is the seconds a training step costs
     beyond its parts (its buffers' set-up, the reductions of the loss and gradients
     on a device, the launch): what ``jpipe.train_step`` measured above the sum of
-    its parts' times.
+    its parts' times. ``stash_copy`` holds points ``(bytes, seconds)``: what copying one
+    slot of a residual stash costs (the executor's stash is indexed by a slot number
+    known only at run time, so a forward copies its residuals into their slot and a
+    backward copies them out, once a stage holds more than one micro-batch).
 
     >>> p = Profile(layers=(LayerCost("l0", 1e-3, 2e-3, 1024, 4096),) * 4, microbatch_size=2)
     >>> p.num_layers, p.scaled(4).layers[0].forward
@@ -141,6 +145,7 @@ class Profile:
     name: str = ""
     backend: str = ""
     step_overhead: float = 0.0
+    stash_copy: Points = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(_layer_cost(l) for l in self.layers))
@@ -152,6 +157,7 @@ class Profile:
             value = getattr(self, part)
             if value is not None:
                 object.__setattr__(self, part, _layer_cost(value))
+        object.__setattr__(self, "stash_copy", _points(self.stash_copy))
         if self.comm is not None:
             exchange, allreduce = self.comm
             object.__setattr__(self, "comm", CommCost(_points(exchange), _points(allreduce)))
@@ -186,7 +192,7 @@ class Profile:
             "microbatch_size": self.microbatch_size, "pre": layer(self.pre),
             "layers": [layer(l) for l in self.layers], "post": layer(self.post),
             "cut_bytes": list(self.cut_bytes), "comm": None if self.comm is None else self.comm._asdict(),
-            "step_overhead": self.step_overhead,
+            "step_overhead": self.step_overhead, "stash_copy": [list(p) for p in self.stash_copy],
         }, indent=1)
 
     @classmethod
@@ -201,7 +207,7 @@ class Profile:
                    pre=layer(d["pre"]), post=layer(d["post"]),
                    comm=None if d["comm"] is None else CommCost(**d["comm"]),
                    cut_bytes=tuple(d["cut_bytes"]), name=d.get("name", ""), backend=d.get("backend", ""),
-                   step_overhead=d.get("step_overhead", 0.0))
+                   step_overhead=d.get("step_overhead", 0.0), stash_copy=d.get("stash_copy", ()))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the profile as JSON; read it back with :func:`load`."""
@@ -476,8 +482,8 @@ def _mean_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
 
 
 def _part_runs(forward: Callable, args: tuple, cotangent_of: Callable | None,
-               keep_residuals: bool = False) -> tuple[Callable[[], Any], Callable[[], Any], float]:
-    """(run the forward, run forward + backward, residual bytes) of ``forward(params, x, *rest)``
+               keep_residuals: bool = False) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
+    """(run the forward, run forward + backward, residual shapes) of ``forward(params, x, *rest)``
     w.r.t. (params, x): two jitted calls to time, and what the backward keeps.
 
     With ``keep_residuals`` the forward runs as the executor's forward tick
@@ -499,7 +505,7 @@ def _part_runs(forward: Callable, args: tuple, cotangent_of: Callable | None,
 
     fwd, both = jax.jit(fwd_keep if keep_residuals else forward), jax.jit(fwd_bwd)
     residuals = jax.eval_shape(lambda *a: vjp_of(a)[1].opaque_residuals, *args)
-    return (lambda: fwd(*args)), (lambda: both(*args)), _tree_bytes(residuals)
+    return (lambda: fwd(*args)), (lambda: both(*args)), residuals
 
 
 # Layers are timed in a stack of (up to) this many, run by a lax.scan as a pipeline stage runs them:
@@ -521,6 +527,43 @@ class _Part(NamedTuple):
     forward: Callable[[], Any]
     forward_backward: Callable[[], Any]
     layers: int
+    residuals: Any = None  # the shapes of what the backward keeps
+
+
+# A stash copy is timed as a loop of this many slot-to-slot copies (each a copy out and a copy in).
+_COPIES = 8
+
+
+def _stash_copy_run(residuals: Any, device: Any) -> tuple[float, Callable[[], Any]]:
+    """(bytes of one slot, run of ``_COPIES`` copies out of and into a 2-slot stash of ``residuals``).
+
+    The executor's stash slot is a run-time index: a forward's residuals are copied into their slot
+    and a backward copies them out before its matrix products read them (a dynamic slice is not a
+    view); with one slot, both copies fold away.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    stash = jax.device_put(jax.tree.map(lambda r: jnp.zeros((2, *r.shape), r.dtype), residuals), device)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def copies(stash: Any) -> Any:
+        def one(t: jax.Array, stash: Any) -> Any:
+            i = t % 2
+            out = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, keepdims=False), stash)
+            out = lax.optimization_barrier(out)  # a buffer of its own, as a backward's operands are
+            return jax.tree.map(lambda b, o: lax.dynamic_update_index_in_dim(b, o, 1 - i, 0), stash, out)
+
+        return lax.fori_loop(0, _COPIES, one, stash)
+
+    box = [stash]
+
+    def run() -> Any:
+        box[0] = copies(box[0])  # the stash is donated: keep the new one
+        return box[0]
+
+    return _tree_bytes(residuals), run
 
 
 def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> tuple[_Part, _Part, _Part]:
@@ -541,13 +584,15 @@ def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) 
 
     # pre: differentiate w.r.t. its parameters only (the micro-batch is data)
     f, fb, r = _part_runs(lambda p, x: model.embed(p, x), (pre_p, microbatch), None)
-    pre = _Part(LayerCost("pre", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p), r), f, fb, 1)
+    pre = _Part(LayerCost("pre", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p),
+                          _tree_bytes(r)), f, fb, 1)
     f, fb, r = _part_runs(_stack_forward(model), (stack_p, hidden), None, keep_residuals=True)
     layer = _Part(LayerCost("layer", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(stack_p) / k,
-                            opt_bytes(stack_p) / k, r / k), f, fb, k)
+                            opt_bytes(stack_p) / k, _tree_bytes(r) / k), f, fb, k, r)
     f, fb, r = _part_runs(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
                           lambda y: jnp.ones_like(y))
-    post = _Part(LayerCost("post", 0.0, 0.0, 4.0, _tree_bytes(post_p), opt_bytes(post_p), r), f, fb, 1)
+    post = _Part(LayerCost("post", 0.0, 0.0, 4.0, _tree_bytes(post_p), opt_bytes(post_p), _tree_bytes(r)),
+                 f, fb, 1)
     return pre, layer, post
 
 
@@ -807,6 +852,7 @@ class Profiler:
                        for part in _parts(model, mb, optimizer, local[0], seed)]
         self._updates = _update_runs(model, example_microbatch, optimizer, local[0], seed)
         self._step = _step_run(model, example_microbatch, optimizer, local[0], seed)
+        self._copies = [_stash_copy_run(part.residuals, local[0]) for part in self._parts[1::3]]
         self._comm = None
         if comm and len(devices) > 1:
             pre, layer, post = self._parts[:3]
@@ -835,10 +881,14 @@ class Profiler:
         # exchange costs drifts over tens of seconds (gloo on 2 CPU processes: 0.9-2.4 ms a tick at 128 KiB
         # in 5 s windows), and a profile should see it over the same span as the compute it is set against
         num_devices, comm_runs, exchange_runs = self._comm if self._comm is not None else (0, _CommRuns([], []), [])
-        also = [self._step, *(fn for _, fn in comm_runs.allreduce),
+        also = [self._step, *(run for _, run in self._copies), *(fn for _, fn in comm_runs.allreduce),
                 *(run for _, with_exchange, without in exchange_runs for run in (with_exchange, without))]
-        costs, (t_step, *t_comm) = _timed(self._parts, repeats, self.warmup, also=also)
+        costs, (t_step, *t_also) = _timed(self._parts, repeats, self.warmup, also=also)
+        t_copies, t_comm = t_also[:len(self._copies)], t_also[len(self._copies):]
         t_allreduce, t_exchange = t_comm[:len(comm_runs.allreduce)], t_comm[len(comm_runs.allreduce):]
+        # one copy of a slot: each of the loop's steps copies a slot out and back in
+        per_copy = _max_over_processes([t / (2 * _COPIES) for t in t_copies])
+        stash_copy = [(nbytes, t) for (nbytes, _), t in zip(self._copies, per_copy)]
         curves: list[list[tuple[float, float, float]]] = [[], [], []]
         for i, other in enumerate(self._others, 1):
             for curve, cost in zip(curves, costs[3 * i:3 * i + 3]):
@@ -867,7 +917,7 @@ class Profiler:
             comm_cost = CommCost(_points(exchange), _points(allreduce))
         return Profile(layers=layers, microbatch_size=self._size, pre=pre, post=post, comm=comm_cost,
                        name=type(self._model).__name__, backend=jax.default_backend(),
-                       step_overhead=step_overhead)
+                       step_overhead=step_overhead, stash_copy=stash_copy)
 
 
 def profile(
@@ -899,7 +949,9 @@ def profile(
     default ``optax.adam``); output activation, residual, parameter and
     optimizer-state bytes; and what a training step costs beyond its parts
     (``step_overhead``: ``jpipe.train_step`` of pre, the timed stack of layers and
-    post on one device, in turns with the parts, less their times). With
+    post on one device, in turns with the parts, less their times); and what
+    copying one slot of a residual stash costs at each size (``stash_copy``: a
+    loop of slot-to-slot copies of the timed stack's residuals). With
     ``comm``, also, over ``devices``, what a tick's exchange of each size's
     activations adds to a tick that runs a stage's forward (a scan of ticks
     timed with and without the ppermutes; with three sizes or more, read off a

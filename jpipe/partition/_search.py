@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jpipe._plan import Plan
-from jpipe.partition._profile import CommCost, Profile
+from jpipe.partition._profile import CommCost, Profile, interpolate
 from jpipe.schedules import Costs, simulate
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "1f1b-b")
@@ -149,7 +149,9 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     and cotangents with the pipe neighbours) plus the gradient all-reduces
     (``pre``/``post`` over ``pipe``, then everything over ``data``) plus the
     optimizer update of the largest stage with ``pre`` and ``post``, plus what a step costs beyond
-    its parts (``profile.step_overhead``). Memory counts weights,
+    its parts (``profile.step_overhead``). Where the schedule holds more than one micro-batch's
+    residuals on a device, every forward and backward also pays one copy of a stash slot
+    (``profile.stash_copy``). Memory counts weights,
     gradients and optimizer state (stages padded to the largest, ``pre`` and
     ``post`` on every device) and the micro-batches the schedule holds.
     """
@@ -161,9 +163,14 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     hidden_bytes = layer.activation_bytes
     table = plan._generate_table()  # registered generators are validated by the test suite
     fwd, bwd = stage_costs(prof, partition)
+    max_layers = max(partition)
+    if table.res_depth > 1 and prof.stash_copy and not plan.remat:
+        # every device's stash has the deepest stage's slots, each the largest stage's residuals, and
+        # its slot index is known only at run time: a forward copies into a slot, a backward out of it
+        copy = interpolate(prof.stash_copy, max_layers * layer.residual_bytes)
+        fwd, bwd = [f + copy for f in fwd], [b + copy for b in bwd]
     per_tick = comm.exchange_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
     sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick), mode="lockstep")
-    max_layers = max(partition)
     io = [p for p in (prof.pre, prof.post) if p is not None]
     io_params = sum(p.param_bytes for p in io)
     io_opt = sum(p.optimizer_bytes for p in io)
