@@ -7,11 +7,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 assert len(jax.devices()) == 8, f"tests need 8 simulated CPU devices, got {jax.devices()}"
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -31,12 +31,12 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import numpy as np
+import optax
 
-import jpipe  # noqa: E402
-from jpipe import averaging, data, models  # noqa: E402
+import jpipe
+from jpipe import averaging, data, models
 
 
 def main() -> None:

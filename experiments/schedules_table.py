@@ -24,14 +24,14 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import jpipe  # noqa: E402
-from jpipe.schedules import Costs, get_schedule, simulate  # noqa: E402
+import jpipe
+from jpipe.schedules import Costs, get_schedule, simulate
 
 WIDTH, SEQ, LAYERS = 64, 16, 8
 # (label, registered name, generator options / Plan.virtual_stages)

@@ -19,11 +19,11 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import jax  # noqa: E402
-import optax  # noqa: E402
-from memory_vs_microbatches import batch, model  # noqa: E402
+import jax
+import optax
+from memory_vs_microbatches import batch, model
 
-import jpipe  # noqa: E402
+import jpipe
 
 
 def median_time(fn, repeats: int) -> float:

@@ -26,7 +26,7 @@ import argparse
 import statistics
 import time
 
-import _bench  # noqa: F401  (sets 8 simulated CPU devices before jax is imported)
+import _bench
 import jax
 
 import jpipe

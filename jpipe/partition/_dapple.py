@@ -98,7 +98,7 @@ def _costs(profile: Profile) -> _Costs:
             o[idx] += part.optimizer_bytes
             a[idx] += (part.residual_bytes or part.activation_bytes) / pbs
     cut = np.array(list(profile.cut_bytes) + [0.0]) / pbs
-    prefix = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    prefix = lambda x: np.concatenate([[0.0], np.cumsum(x)])
     return _Costs(prefix(f), prefix(b), prefix(w), prefix(o), prefix(a), cut)
 
 
