@@ -111,11 +111,9 @@ def _own_cores(processes: int = 2) -> int:
     programs competing for cores. Returns how many cores this process got."""
     cores = sorted(os.sched_getaffinity(0))
     index = int(os.environ.get("JPIPE_PROCESS_ID", "0"))
-    share = max(1, len(cores) // processes)
-    if len(cores) >= processes:
+    share = len(cores) // processes or len(cores)  # fewer cores than processes: all share all of them
+    if share < len(cores):
         os.sched_setaffinity(0, set(cores[index * share:(index + 1) * share]))
-    else:
-        share = len(cores)  # fewer cores than processes: every process shares all of them
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
     return share
 
@@ -205,7 +203,8 @@ def launch_processes(worker, args: list, processes: int, timeout: float) -> int:
 
 
 def worker(argv: list[str], local: bool) -> None:
-    n = parse(argv).devices
+    args = parse(argv)
+    n = args.devices
     cores = 0 if local else _own_cores(n)  # before jax starts its runtime
     import jax
     import numpy as np
@@ -214,7 +213,6 @@ def worker(argv: list[str], local: bool) -> None:
     import jpipe
     from jpipe import distributed, models, partition
 
-    args = parse(argv)
     if local:
         devices = list(jax.local_devices())[:n]
         if len(devices) < n:
