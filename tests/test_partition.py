@@ -137,10 +137,15 @@ def test_profile_json_round_trip_and_scaling(tmp_path):
     assert load(tmp_path / "p.json") == p
     older = json.loads(p.to_json())
     del older["step_overhead"], older["stash_copy"]                 # a profile saved before they were measured
-    assert Profile.from_json(json.dumps(older)).step_overhead == 0.0
+    assert Profile.from_json(json.dumps(older)).step_overhead_at(4) == 0.0
+    older["step_overhead"] = 2e-3                                   # saved as one number: the same at every size
+    assert Profile.from_json(json.dumps(older)).step_overhead == ((4.0, 2e-3),)
     assert Profile.from_json(json.dumps(older)).stash_copy == ()
     assert p.scaled(8).stash_copy == p.stash_copy                    # keyed by bytes, not by batch
-    assert p.scaled(8).step_overhead == 2e-3                         # a step's, whatever the micro-batch
+    assert p.scaled(8).step_overhead == p.step_overhead              # keyed by micro-batch size
+    q = dataclasses.replace(p, step_overhead=((2, 1e-3), (8, 4e-3)))
+    assert q.step_overhead_at(4) == pytest.approx(2e-3) and q.step_overhead_at(8) == 4e-3
+    assert Profile.from_json(q.to_json()) == q
     half = p.scaled(2)
     assert half.layers[0].forward == pytest.approx(1.5e-3)       # the measured point, not 4 / 2
     assert half.layers[0].activation_bytes == pytest.approx(500)
@@ -361,7 +366,8 @@ def test_profile_times_every_asked_size_and_the_optimizer_step():
     assert at_32.activation_bytes == 4 * layer.activation_bytes
     assert layer.update > 0 and p.pre.update > 0 and p.post.update > 0
     # what train_step of pre, the layers and post took beyond its parts
-    assert math.isfinite(p.step_overhead) and 0 <= p.step_overhead
+    assert [size for size, _ in p.step_overhead] == [2, 8, 32]     # measured at every size
+    assert all(math.isfinite(t) and 0 <= t for _, t in p.step_overhead)
     # a stash slot's copy, at each size: the timed stack's (all 3 layers') residuals
     assert [nbytes for nbytes, _ in p.stash_copy] == [3 * p.scaled(s).layers[0].residual_bytes for s in (2, 8, 32)]
     assert all(t > 0 for _, t in p.stash_copy)
@@ -419,7 +425,7 @@ def test_mean_profile_averages_every_time_and_keeps_every_size():
                            [want.forward, want.backward, want.update, *want.curve[0][1:]])
     assert [x for x, _ in mean.comm.exchange] == [8e3, 64e3]
     assert np.allclose([t for _, t in mean.comm.exchange + mean.comm.allreduce], [3e-3, 9e-3, 15e-3])
-    assert mean.step_overhead == pytest.approx(3e-3) and mean.microbatch_size == 4
+    assert mean.step_overhead_at(4) == pytest.approx(3e-3) and mean.microbatch_size == 4
     assert [x for x, _ in mean.stash_copy] == [1e4, 1e5]
     assert np.allclose([t for _, t in mean.stash_copy], [3e-3, 12e-3])
     assert mean_profile([at(1e-3)]) == at(1e-3)
@@ -485,6 +491,12 @@ def test_step_prediction_adds_the_step_overhead_once_per_step():
         extra = evaluate(dataclasses.replace(bare, step_overhead=5e-3), plan, 32).step_time \
             - evaluate(bare, plan, 32).step_time
         assert extra == pytest.approx(5e-3)                        # not per micro-batch, not per stage
+    # measured at several micro-batch sizes: read at the plan's (global batch / (data x M))
+    growing = dataclasses.replace(bare, step_overhead=((1, 1e-3), (4, 2e-3), (8, 6e-3)))
+    for plan, size in ((Plan(2, 1, 4), 8), (Plan(1, 2, 4), 4), (Plan(1, 2, 16), 1), (Plan(2, 1, 16), 2)):
+        extra = evaluate(growing, plan, 32).step_time - evaluate(bare, plan, 32).step_time
+        assert extra == pytest.approx(growing.step_overhead_at(size))
+    assert growing.step_overhead_at(2) == pytest.approx(1e-3 + 1e-3 / 3)   # between the measured sizes
 
 
 def test_step_prediction_adds_a_stash_copy_per_action_where_a_device_holds_two_microbatches():

@@ -121,10 +121,11 @@ class Profile:
 
     ``cut_bytes[i]`` is what crosses a stage boundary placed after layer ``i``
     (default: that layer's output activation). ``comm`` is the mesh's measured
-    communication, if any. ``step_overhead`` is the seconds a training step costs
-    beyond its parts (its buffers' set-up, the reductions of the loss and gradients
-    on a device, the launch): what ``jpipe.train_step`` measured above the sum of
-    its parts' times. ``stash_copy`` holds points ``(bytes, seconds)``: what copying one
+    communication, if any. ``step_overhead`` holds points ``(micro-batch size, seconds)``:
+    what a training step costs beyond its parts (its buffers' set-up, the reductions of the
+    loss and gradients on a device, the launch), as ``jpipe.train_step`` measured it above
+    the sum of its parts' times at that micro-batch size (a number: the same at every size);
+    read it with :meth:`step_overhead_at`. ``stash_copy`` holds points ``(bytes, seconds)``: what copying one
     slot of a residual stash costs (the executor's stash is indexed by a slot number
     known only at run time, so a forward copies its residuals into their slot and a
     backward copies them out, once a stage holds more than one micro-batch).
@@ -134,6 +135,9 @@ class Profile:
     (4, 0.002)
     >>> Profile.from_json(p.to_json()) == p
     True
+    >>> q = dataclasses.replace(p, step_overhead=((2, 1e-3), (8, 4e-3)))
+    >>> q.step_overhead_at(4), q.scaled(8).step_overhead_at(4)
+    (0.002, 0.002)
     """
 
     layers: tuple[LayerCost, ...]
@@ -144,7 +148,7 @@ class Profile:
     cut_bytes: tuple[float, ...] | None = None
     name: str = ""
     backend: str = ""
-    step_overhead: float = 0.0
+    step_overhead: Points | float = ()
     stash_copy: Points = ()
 
     def __post_init__(self) -> None:
@@ -158,6 +162,9 @@ class Profile:
             if value is not None:
                 object.__setattr__(self, part, _layer_cost(value))
         object.__setattr__(self, "stash_copy", _points(self.stash_copy))
+        if isinstance(self.step_overhead, (int, float)):
+            object.__setattr__(self, "step_overhead", ((self.microbatch_size, self.step_overhead),))
+        object.__setattr__(self, "step_overhead", _points(self.step_overhead))
         if self.comm is not None:
             exchange, allreduce = self.comm
             object.__setattr__(self, "comm", CommCost(_points(exchange), _points(allreduce)))
@@ -172,6 +179,11 @@ class Profile:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def step_overhead_at(self, microbatch_size: float) -> float:
+        """Seconds a step with micro-batches of ``microbatch_size`` samples costs beyond its parts
+        (interpolated between the measured sizes; 0 when none was measured)."""
+        return interpolate(self.step_overhead, microbatch_size) if self.step_overhead else 0.0
 
     def scaled(self, microbatch_size: float) -> Profile:
         """The same model at another micro-batch size (times affine, bytes linear in the batch)."""
@@ -192,7 +204,7 @@ class Profile:
             "microbatch_size": self.microbatch_size, "pre": layer(self.pre),
             "layers": [layer(l) for l in self.layers], "post": layer(self.post),
             "cut_bytes": list(self.cut_bytes), "comm": None if self.comm is None else self.comm._asdict(),
-            "step_overhead": self.step_overhead, "stash_copy": [list(p) for p in self.stash_copy],
+            "step_overhead": [list(p) for p in self.step_overhead], "stash_copy": [list(p) for p in self.stash_copy],
         }, indent=1)
 
     @classmethod
@@ -207,7 +219,7 @@ class Profile:
                    pre=layer(d["pre"]), post=layer(d["post"]),
                    comm=None if d["comm"] is None else CommCost(**d["comm"]),
                    cut_bytes=tuple(d["cut_bytes"]), name=d.get("name", ""), backend=d.get("backend", ""),
-                   step_overhead=d.get("step_overhead", 0.0), stash_copy=d.get("stash_copy", ()))
+                   step_overhead=d.get("step_overhead", ()), stash_copy=d.get("stash_copy", ()))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the profile as JSON; read it back with :func:`load`."""
@@ -432,7 +444,7 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
     >>> a = Profile(layers=(LayerCost("l", 1e-3, 2e-3, 64, 256),), microbatch_size=2, step_overhead=1e-3)
     >>> b = Profile(layers=(LayerCost("l", 3e-3, 2e-3, 64, 256),), microbatch_size=2, step_overhead=3e-3)
     >>> m = mean_profile([a, b])
-    >>> m.layers[0].forward, m.layers[0].backward, m.step_overhead
+    >>> m.layers[0].forward, m.layers[0].backward, m.step_overhead_at(2)
     (0.002, 0.002, 0.002)
     """
     if not profiles:
@@ -851,7 +863,9 @@ class Profiler:
         self._parts = [part for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))
                        for part in _parts(model, mb, optimizer, local[0], seed)]
         self._updates = _update_runs(model, example_microbatch, optimizer, local[0], seed)
-        self._step = _step_run(model, example_microbatch, optimizer, local[0], seed)
+        # a step at every size: what it costs beyond its parts grows with its buffers, not evenly
+        self._steps = [_step_run(model, mb, optimizer, local[0], seed)
+                       for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))]
         self._copies = [_stash_copy_run(part.residuals, local[0]) for part in self._parts[1::3]]
         self._comm = None
         if comm and len(devices) > 1:
@@ -881,9 +895,10 @@ class Profiler:
         # exchange costs drifts over tens of seconds (gloo on 2 CPU processes: 0.9-2.4 ms a tick at 128 KiB
         # in 5 s windows), and a profile should see it over the same span as the compute it is set against
         num_devices, comm_runs, exchange_runs = self._comm if self._comm is not None else (0, _CommRuns([], []), [])
-        also = [self._step, *(run for _, run in self._copies), *(fn for _, fn in comm_runs.allreduce),
+        also = [*self._steps, *(run for _, run in self._copies), *(fn for _, fn in comm_runs.allreduce),
                 *(run for _, with_exchange, without in exchange_runs for run in (with_exchange, without))]
-        costs, (t_step, *t_also) = _timed(self._parts, repeats, self.warmup, also=also)
+        costs, t_also = _timed(self._parts, repeats, self.warmup, also=also)
+        t_steps, t_also = t_also[:len(self._steps)], t_also[len(self._steps):]
         t_copies, t_comm = t_also[:len(self._copies)], t_also[len(self._copies):]
         t_allreduce, t_exchange = t_comm[:len(comm_runs.allreduce)], t_comm[len(comm_runs.allreduce):]
         # one copy of a slot: each of the loop's steps copies a slot out and back in
@@ -895,11 +910,13 @@ class Profiler:
                 curve.append((other / self._size, cost.forward, cost.backward))
         u_pre, u_layers, u_post = (_mean_time(run, repeats, self.warmup) for run in self._updates)
         updates = (u_pre, u_layers / self._model.num_layers, u_post)
-        # the step of pre, the stack of layers and post: what it costs beyond its parts
+        # the step of pre, the stack of layers and post at each size: what it costs beyond its parts
         stack = self._parts[1].layers
-        parts = sum(c.forward * n + c.backward * n + u * n
-                    for c, u, n in zip(costs[:3], updates, (1, stack, 1)))
-        (step_overhead,) = _max_over_processes([max(t_step - parts, 0.0)])
+        parts = [sum(c.forward * n + c.backward * n + u * n
+                     for c, u, n in zip(costs[3 * i:3 * i + 3], updates, (1, stack, 1)))
+                 for i in range(len(t_steps))]
+        beyond = _max_over_processes([max(t - p, 0.0) for t, p in zip(t_steps, parts)])
+        step_overhead = list(zip((self._size, *self._others), beyond))
         pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
                                              for cost, u, c in zip(costs[:3], updates, curves)])
         layers = tuple(layer._replace(name=f"layer_{i}") for i in range(self._model.num_layers))
@@ -948,8 +965,8 @@ def profile(
     the batch; the optimizer step on each part's weights (``optimizer``
     default ``optax.adam``); output activation, residual, parameter and
     optimizer-state bytes; and what a training step costs beyond its parts
-    (``step_overhead``: ``jpipe.train_step`` of pre, the timed stack of layers and
-    post on one device, in turns with the parts, less their times); and what
+    at each size (``step_overhead``: ``jpipe.train_step`` of pre, the timed stack of
+    layers and post on one device, in turns with the parts, less their times); and what
     copying one slot of a residual stash costs at each size (``stash_copy``: a
     loop of slot-to-slot copies of the timed stack's residuals). With
     ``comm``, also, over ``devices``, what a tick's exchange of each size's

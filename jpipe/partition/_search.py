@@ -148,10 +148,10 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     slowest device's action plus the exchange of one micro-batch's activations
     and cotangents with the pipe neighbours) plus the gradient all-reduces
     (``pre``/``post`` over ``pipe``, then everything over ``data``) plus the
-    optimizer update of the largest stage with ``pre`` and ``post``, plus what a step costs beyond
-    its parts (``profile.step_overhead``). Where the schedule holds more than one micro-batch's
-    residuals on a device, every forward and backward also pays one copy of a stash slot
-    (``profile.stash_copy``). Memory counts weights,
+    optimizer update of the largest stage with ``pre`` and ``post``, plus what a step costs
+    beyond its parts at the plan's micro-batch size (``profile.step_overhead_at``). Where the
+    schedule holds more than one micro-batch's residuals on a device, every forward and backward
+    also pays one copy of a stash slot (``profile.stash_copy``). Memory counts weights,
     gradients and optimizer state (stages padded to the largest, ``pre`` and
     ``post`` on every device) and the micro-batches the schedule holds.
     """
@@ -180,7 +180,7 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     reduce = _allreduce(comm, io_params, plan.pipe) + _allreduce(comm, stage_params + io_params, plan.data)
     # then every device runs the optimizer on its stage's layers and on pre and post
     update = max_layers * layer.update + sum(p.update for p in io)
-    step = sim.makespan + reduce + update + prof.step_overhead
+    step = sim.makespan + reduce + update + profile.step_overhead_at(b)
     held = sim.peak_held
     worst = 0.0
     for s, count in enumerate(partition):
