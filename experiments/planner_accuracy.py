@@ -8,7 +8,8 @@ local devices instead -- the same code path, unchanged.
 0. On CPU each process gets its share of the cores (one each on a 2-core machine) and
    single-threaded XLA: two processes sharing cores would make a data-parallel step (both compute
    at once) look slower than the profile, which times one device alone. With one core each, the
-   computing threads get the ``SCHED_IDLE`` policy, so that gloo's threads run the moment they wake.
+   computing threads get the ``SCHED_IDLE`` policy, so that gloo's threads run the moment they wake,
+   if a pipelined step is faster so (it was on one VM, and starved the compute on another).
 1. Profile the model on the cluster with ``jpipe.partition.Profiler``: every process times the
    layers on its own device, the exchange and the all-reduces run over both devices, and every time
    is the slowest process's, so that every process plans from the same numbers (and builds the
@@ -49,6 +50,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
@@ -136,33 +138,45 @@ def _thread_cpu_seconds() -> dict[int, float]:
     return out
 
 
-def _compute_threads_yield(warm_up) -> list[str]:
+def _compute_threads_yield(warm_up: Callable[[], Sequence[float]]) -> tuple[list[str], float, float]:
     """Gives this process's computing threads the ``SCHED_IDLE`` policy, so that the collectives'
-    communication threads, which sleep most of the time, run the moment they wake.
+    communication threads, which sleep most of the time, run the moment they wake -- where that
+    makes a step faster. Returns ``(names of the threads left SCHED_IDLE, median step seconds
+    without, with)``.
 
     With one core per process, a gloo thread woken to send or receive otherwise waits behind a busy
-    compute thread for the scheduler's next tick (4 ms here): a pipeline step, which exchanges every
-    tick, measured ~40 ms instead of ~25 ms, spread over 25-50 ms and quantised in 4 ms steps. The
-    computing threads are those that used at least a fifth of the busiest one's CPU time during
-    ``warm_up()`` (XLA's execution and Eigen threads keep their pools for the whole run). Returns the
-    names of the threads changed (none where ``SCHED_IDLE`` does not exist)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        warm_up()
-        return []
+    compute thread for the scheduler's next tick (4 ms on the VM of sessions 7-12): a pipeline step,
+    which exchanges every tick, measured ~40 ms instead of ~25 ms, spread over 25-50 ms and quantised
+    in 4 ms steps. On another kernel (session 13's VM) the same policy starved the computing threads
+    instead: a data=2 step's median went from 32 to 146 ms. So ``warm_up()`` (pipelined steps, returning
+    their seconds) runs once as the threads are, once with the policy; the policy stays only if the
+    median step was faster with it. The computing threads are those that used at least a fifth of the
+    busiest one's CPU time during the first ``warm_up()`` (XLA's execution and Eigen threads keep their
+    pools for the whole run)."""
     before = _thread_cpu_seconds()
-    warm_up()
+    without = statistics.median(warm_up())
+    if not hasattr(os, "SCHED_IDLE"):
+        return [], without, without
     used = {t: s - before.get(t, 0.0) for t, s in _thread_cpu_seconds().items()}
     busiest = max(used.values(), default=0.0)
-    changed = []
+    changed = {}
     for tid, seconds in used.items():
         if busiest > 0 and seconds >= busiest / 5:
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    changed.append(f.read().strip())
+                    changed[tid] = f.read().strip()
             except OSError:
                 pass  # the thread ended, or the policy is not allowed here
-    return changed
+    with_idle = statistics.median(warm_up())
+    if with_idle < without:
+        return list(changed.values()), without, with_idle
+    for tid in changed:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            pass  # the thread ended
+    return [], without, with_idle
 
 
 def compile_plan(model, optimizer, plan, batches: list[dict], devices: list) -> tuple:
@@ -244,14 +258,19 @@ def worker(argv: list[str], local: bool) -> None:
                         compile_plan(model, optimizer, jpipe.Plan(pipe=2, data=n // 2, microbatches=2, schedule="1f1b"),
                                      full, devices)))
 
-        def warm_up(steps: int) -> None:
+        def warm_up(steps: int) -> list[float]:
+            times = []
             for i in range(steps):
+                start = time.perf_counter()
                 warm["state"], metrics = warm["step"](warm["state"], warm["batches"][i % len(warm["batches"])])
                 jax.block_until_ready((warm["state"], metrics))
+                times.append(time.perf_counter() - start)
+            return times
 
         warm_up(2)
-        changed = _compute_threads_yield(lambda: warm_up(20))
-        say(f"computing threads set to SCHED_IDLE (process 0): {', '.join(changed) or 'none'}")
+        changed, without, with_idle = _compute_threads_yield(lambda: warm_up(30))
+        say(f"computing threads SCHED_IDLE (process 0): {', '.join(changed) or 'none'} (a pipelined step's "
+            f"median {without * 1e3:.1f} ms as they were, {with_idle * 1e3:.1f} ms SCHED_IDLE)")
         del warm
 
     # 1. profile (the micro-batch jpipe.plan profiles at: the batch split over the devices)

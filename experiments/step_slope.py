@@ -80,13 +80,15 @@ def worker(argv: list[str]) -> None:
         return {"plan": plan, "B": global_batch, "state": state, "data": data, "times": [], "faults": [],
                 "step": step}
 
-    def step(run: dict, i: int) -> None:
+    def step(run: dict, i: int) -> float:
+        start = time.perf_counter()
         run["state"], metrics = run["step"](run["state"], run["data"][i % len(run["data"])])
         jax.block_until_ready((run["state"], metrics))
+        return time.perf_counter() - start
 
     warm = build(jpipe.Plan(pipe=2, data=1, microbatches=2, schedule="1f1b"), 2 * args.microbatch)
     if cores == 1:  # gloo's threads share the core with the compute: see planner_accuracy.py
-        pa._compute_threads_yield(lambda: [step(warm, i) for i in range(20)])
+        pa._compute_threads_yield(lambda: [step(warm, i) for i in range(30)])
     mb = args.microbatch
     profiler = partition.Profiler(model, batches(mb)[0], optimizer=optimizer, devices=devices,
                                   microbatch_sizes=[mb], repeats=10)
