@@ -31,7 +31,7 @@ local devices instead -- the same code path, unchanged.
    whether the choice is the fastest measured plan (and, when it is not, whether the gap is within
    twice the standard error of the difference: a tie this measurement cannot break).
 
-    python experiments/planner_accuracy.py                 # 2 CPU processes (5-10 min here)
+    python experiments/planner_accuracy.py                 # 2 CPU processes (5-15 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
     python experiments/planner_accuracy.py --devices 1     # one device: compute only (one GPU)
     python experiments/planner_accuracy.py --json out.json # also write the rows
@@ -75,7 +75,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10, help="profiler repeats per part in one profile")
     p.add_argument("--profile-rounds", type=int, default=8,
                    help="profiles taken back to back and averaged for the planner (partition.mean_profile)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the launcher kills the run")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the launcher kills the run")
     p.add_argument("--json", default=None, help="also write the table's rows to this JSON file")
     return p.parse_args(argv)
 
