@@ -14,7 +14,7 @@ local devices instead -- the same code path, unchanged.
    layers on its own device, the exchange and the all-reduces run over both devices, and every time
    is the slowest process's, so that every process plans from the same numbers (and builds the
    same partitions). The planner gets the mean of ``--profile-rounds`` profiles taken back to back
-   (``Profiler.measure(rounds=...)``, about 40 s here): one profile's exchange missed the long run's
+   (``Profiler.measure(rounds=...)``, 40-80 s here): one profile's exchange missed the long run's
    by up to 2.8x.
 2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over the devices: on 2,
    ``pipe=2, data=1`` with M in ``--microbatches`` x ``--schedules``, and ``pipe=1, data=2``.
