@@ -7,9 +7,9 @@ local devices instead -- the same code path, unchanged.
 
 0. On CPU each process gets its share of the cores (one each on a 2-core machine) and
    single-threaded XLA: two processes sharing cores would make a data-parallel step (both compute
-   at once) look slower than the profile, which times one device alone. With one core each, the
-   computing threads get the ``SCHED_IDLE`` policy, so that gloo's threads run the moment they wake,
-   if a pipelined step is faster so (it was on one VM, and starved the compute on another).
+   at once) look slower than the profile, which times one device alone. With one core each, every
+   thread but the computing ones gets the shortest time slice, so that gloo's threads preempt the
+   compute the moment they wake (Linux >= 6.12; elsewhere they wait for the scheduler's tick).
 1. Profile the model on the cluster with ``jpipe.partition.Profiler``: every process times the
    layers on its own device, the exchange and the all-reduces run over both devices, and every time
    is the slowest process's, so that every process plans from the same numbers (and builds the
@@ -45,8 +45,10 @@ Results, session by session, with what each change did and what is still off:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -138,45 +140,63 @@ def _thread_cpu_seconds() -> dict[int, float]:
     return out
 
 
-def _compute_threads_yield(warm_up: Callable[[], Sequence[float]]) -> tuple[list[str], float, float]:
-    """Gives this process's computing threads the ``SCHED_IDLE`` policy, so that the collectives'
-    communication threads, which sleep most of the time, run the moment they wake -- where that
-    makes a step faster. Returns ``(names of the threads left SCHED_IDLE, median step seconds
-    without, with)``.
+# sched_setattr(2) by architecture: Python's os module has no binding for it
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+SHORT_SLICE_NS = 100_000  # the shortest slice Linux accepts (0.1 ms)
 
-    With one core per process, a gloo thread woken to send or receive otherwise waits behind a busy
-    compute thread for the scheduler's next tick (4 ms on the VM of sessions 7-12): a pipeline step,
-    which exchanges every tick, measured ~40 ms instead of ~25 ms, spread over 25-50 ms and quantised
-    in 4 ms steps. On another kernel (session 13's VM) the same policy starved the computing threads
-    instead: a data=2 step's median went from 32 to 146 ms. So ``warm_up()`` (pipelined steps, returning
-    their seconds) runs once as the threads are, once with the policy; the policy stays only if the
-    median step was faster with it. The computing threads are those that used at least a fifth of the
-    busiest one's CPU time during the first ``warm_up()`` (XLA's execution and Eigen threads keep their
-    pools for the whole run)."""
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32), ("flags", ctypes.c_uint64),
+                ("nice", ctypes.c_int32), ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64),
+                ("util_min", ctypes.c_uint32), ("util_max", ctypes.c_uint32)]
+
+
+def _set_slice(tid: int, nanoseconds: int) -> bool:
+    """Sets thread ``tid``'s time slice under the normal policy (``SCHED_OTHER``, nice 0; 0 = the
+    kernel's default). True if the kernel took it: Linux >= 6.12 (EEVDF's custom slices)."""
+    number = _SCHED_SETATTR.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), policy=0, runtime=nanoseconds)
+    if libc.syscall(number, tid, ctypes.byref(attr), 0) != 0:
+        return False  # the thread ended, or an older kernel
+    got = _SchedAttr()
+    return libc.syscall(number + 1, tid, ctypes.byref(got), ctypes.sizeof(got), 0) == 0 and (
+        nanoseconds == 0 or got.runtime == nanoseconds)  # sched_getattr follows sched_setattr
+
+
+def _communication_threads_short_slice(warm_up: Callable[[], Sequence[float]]) -> tuple[list[str], float, float]:
+    """Gives every thread of this process but the computing ones the shortest time slice, so that
+    the collectives' communication threads, which sleep most of the time, preempt the compute the
+    moment they wake. Returns ``(names of the threads changed, median step seconds before, after)``.
+
+    With one core per process, gloo's thread woken to receive otherwise waits behind a busy compute
+    thread until the scheduler's next tick (4 ms here: ``CONFIG_HZ=250``): a pipelined step, which
+    exchanges every tick, measured ~40 ms instead of ~25 ms, quantised in 4 ms steps. Under EEVDF
+    (Linux >= 6.12) a woken thread with a shorter slice than the running one preempts it; the weights,
+    hence the shares of the core, stay equal, so nothing can starve. (Sessions 5-13 gave the
+    computing threads ``SCHED_IDLE`` instead. That inverts priorities: gloo's loop thread spins on
+    ``epoll_wait`` while a pair's mutex is held -- ``Pair::handleEvents`` only try-locks it -- and a
+    ``SCHED_IDLE`` compute thread holding that mutex then gets almost no CPU: data=2 steps of 146-210
+    ms instead of 32-55 ms, the loop thread using 42 % of the core in ``epoll_wait``, ``perf`` showed.)
+
+    The computing threads are those that used at least half the busiest one's CPU time during the
+    first ``warm_up()`` (pipelined steps, returning their seconds); ``warm_up()`` runs again after."""
     before = _thread_cpu_seconds()
     without = statistics.median(warm_up())
-    if not hasattr(os, "SCHED_IDLE"):
-        return [], without, without
     used = {t: s - before.get(t, 0.0) for t, s in _thread_cpu_seconds().items()}
     busiest = max(used.values(), default=0.0)
-    changed = {}
+    changed = []
     for tid, seconds in used.items():
-        if busiest > 0 and seconds >= busiest / 5:
+        if seconds < busiest / 2 and _set_slice(tid, SHORT_SLICE_NS):
             try:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    changed[tid] = f.read().strip()
+                    changed.append(f.read().strip())
             except OSError:
-                pass  # the thread ended, or the policy is not allowed here
-    with_idle = statistics.median(warm_up())
-    if with_idle < without:
-        return list(changed.values()), without, with_idle
-    for tid in changed:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            pass  # the thread ended
-    return [], without, with_idle
+                pass  # the thread ended
+    return changed, without, statistics.median(warm_up())
 
 
 def compile_plan(model, optimizer, plan, batches: list[dict], devices: list) -> tuple:
@@ -268,9 +288,10 @@ def worker(argv: list[str], local: bool) -> None:
             return times
 
         warm_up(2)
-        changed, without, with_idle = _compute_threads_yield(lambda: warm_up(30))
-        say(f"computing threads SCHED_IDLE (process 0): {', '.join(changed) or 'none'} (a pipelined step's "
-            f"median {without * 1e3:.1f} ms as they were, {with_idle * 1e3:.1f} ms SCHED_IDLE)")
+        changed, before, after = _communication_threads_short_slice(lambda: warm_up(30))
+        say(f"threads given a {SHORT_SLICE_NS / 1e6:g} ms slice (process 0): {len(changed)} "
+            f"({', '.join(sorted(set(changed))) or 'none: kernel older than 6.12?'}); a pipelined step's median "
+            f"{before * 1e3:.1f} ms before, {after * 1e3:.1f} ms after")
         del warm
 
     # 1. profile (the micro-batch jpipe.plan profiles at: the batch split over the devices)

@@ -12,7 +12,7 @@ the profiles) and measured, with each step's minor page faults (``ru_minflt``, p
     python experiments/step_slope.py --keep-freed-memory  # glibc keeps freed memory (mallopt)
 
 Same cluster set-up as ``planner_accuracy.py`` (half the cores per process, single-threaded XLA;
-on one core each, the computing threads ``SCHED_IDLE``). Session 7's figures are in ``planner_accuracy.md``: data=2's
+on one core each, the communication threads a short time slice). Session 7's figures are in ``planner_accuracy.md``: data=2's
 slope within -10..+3 % of the prediction, pipe=2's 17-33 % above it in 5 of 6 runs; with
 ``--keep-freed-memory`` (no more faults) within 5 % in 2 runs and 18 % above in a third.
 """
@@ -88,7 +88,7 @@ def worker(argv: list[str]) -> None:
 
     warm = build(jpipe.Plan(pipe=2, data=1, microbatches=2, schedule="1f1b"), 2 * args.microbatch)
     if cores == 1:  # gloo's threads share the core with the compute: see planner_accuracy.py
-        pa._compute_threads_yield(lambda: [step(warm, i) for i in range(30)])
+        pa._communication_threads_short_slice(lambda: [step(warm, i) for i in range(30)])
     mb = args.microbatch
     profiler = partition.Profiler(model, batches(mb)[0], optimizer=optimizer, devices=devices,
                                   microbatch_sizes=[mb], repeats=10)
