@@ -87,6 +87,38 @@ def test_lockstep_tick_lasts_its_slowest_action_plus_comm(make, P: int, M: int) 
     assert r.mode == "lockstep"
 
 
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b], ids=["gpipe", "1f1b"])
+@pytest.mark.parametrize("P,M", [(2, 1), (2, 4), (4, 8)])
+def test_lockstep_contention_scales_a_tick_by_how_many_devices_compute(make, P: int, M: int) -> None:
+    """Each tick's actions are scaled by contention[k - 1], k = the devices with an action in it,
+    re-derived from the table's cells; all-ones contention changes nothing."""
+    table = make(P, M)
+    contention = np.linspace(0.5, 1.0, P)  # alone: half the profiled cost; all computing: as profiled
+    costs = Costs(forward=1.0, backward=2.0, comm=0.25)
+    plain = simulate(table, costs)
+    assert simulate(table, costs._replace(contention=[1.0] * P)).makespan == plain.makespan
+    r = simulate(table, costs._replace(contention=contention))
+    expected = 0.0
+    for t in range(table.num_ticks):
+        kinds = [k for d in range(P) if (k := kind_name(table, t, d)) is not None]
+        scale = contention[len(kinds) - 1]
+        expected += max({"F": 1.0, "B": 2.0}[k] for k in kinds) * scale + 0.25
+    assert exact(r.makespan, expected)
+    if M == 1:  # one device computes at a time: every action at half its cost
+        assert exact(r.makespan, 0.5 * (plain.makespan - 0.25 * table.num_ticks) + 0.25 * table.num_ticks)
+    assert r.makespan < plain.makespan
+
+
+def test_contention_errors() -> None:
+    t = one_f_one_b(2, 4)
+    with pytest.raises(ValueError, match=r"one positive factor per number of devices computing at once \(1..2\)"):
+        simulate(t, Costs(1.0, 1.0, contention=[0.5, 0.7, 1.0]))
+    with pytest.raises(ValueError, match=r"one positive factor"):
+        simulate(t, Costs(1.0, 1.0, contention=[0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"Costs.contention is a lock-step model"):
+        simulate(t, Costs(1.0, 1.0, contention=[0.5, 1.0]), mode="async")
+
+
 @pytest.mark.parametrize("P,M", [(2, 3), (4, 8)])
 def test_lockstep_is_never_faster_than_async(P: int, M: int) -> None:
     for name in ("gpipe", "1f1b", "1f1b-b"):

@@ -9,7 +9,11 @@ Two timing models, both driven by the same :class:`~jpipe.schedules.Table`:
     there is more than one device). A device whose action is shorter than the
     tick's slowest one waits. In a two-lane table (:func:`~jpipe.schedules.fuse_ticks`)
     a device runs its forward and then its backward within the tick, and the
-    tick lasts as long as the busiest device's sum.
+    tick lasts as long as the busiest device's sum. With ``Costs.contention``,
+    the actions of a tick in which ``k`` devices compute take
+    ``contention[k - 1]`` times their cost: on devices that share a resource
+    (two CPU processes on cores that slow each other down) a tick in which one
+    device computes alone runs faster than one in which all do.
 ``"async"``
     What an MPMD runtime (one program per device, point-to-point sends) does:
     each device runs its actions in the table's order, each as soon as the
@@ -67,6 +71,9 @@ class Costs(NamedTuple):
 
     ``forward``, ``backward``, ``weight`` and ``activation_bytes`` are a scalar
     (every virtual stage the same) or one value per virtual stage.
+    ``contention`` (lock-step only) has one factor per number of devices computing
+    at once: ``contention[k - 1]`` scales the actions of a tick in which ``k``
+    devices run one (``None``: 1 for every ``k``).
 
     >>> Costs(forward=1.0, backward=2.0).weight is None
     True
@@ -77,6 +84,7 @@ class Costs(NamedTuple):
     weight: CostValue | None = None
     comm: float = 0.0
     activation_bytes: CostValue | None = None
+    contention: Sequence[float] | None = None
 
 
 class SimResult(NamedTuple):
@@ -143,20 +151,21 @@ def _deps(a: Action, num_stages: int) -> list[Action]:
     return deps
 
 
-def _lockstep(table: Table, dur: dict[str, np.ndarray], comm: float):
+def _lockstep(table: Table, dur: dict[str, np.ndarray], comm: float, contention: np.ndarray | None = None):
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     hop = comm if table.num_devices > 1 else 0.0
     now = 0.0
     for t in range(table.num_ticks):
+        rows = range(t * table.lanes, (t + 1) * table.lanes)
+        actions = [[a for r in rows if (a := table.action(r, d)) is not None] for d in range(table.num_devices)]
+        computing = sum(1 for acts in actions if acts)
+        scale = 1.0 if contention is None or not computing else float(contention[computing - 1])
         longest = 0.0
-        for d in range(table.num_devices):
+        for acts in actions:
             at = now  # a device runs its lanes one after the other
-            for r in range(t * table.lanes, (t + 1) * table.lanes):
-                a = table.action(r, d)
-                if a is None:
-                    continue
-                c = float(dur[a.kind][a.stage])
+            for a in acts:
+                c = float(dur[a.kind][a.stage]) * scale
                 start[a], end[a] = at, at + c
                 at += c
             longest = max(longest, at - now)
@@ -226,10 +235,22 @@ def simulate(table: Table, costs: Costs, mode: str = "lockstep") -> SimResult:
     comm = float(costs.comm)
     if not np.isfinite(comm) or comm < 0:
         raise ValueError(f"Costs.comm must be finite and non-negative, got {costs.comm!r}")
+    contention = None
+    if costs.contention is not None:
+        if mode != "lockstep":
+            raise ValueError("Costs.contention is a lock-step model (devices compute tick by tick); "
+                             "simulate with mode='lockstep' or leave it None")
+        contention = np.asarray(costs.contention, dtype=float)
+        if contention.shape != (table.num_devices,) or not np.all(np.isfinite(contention)) or np.any(contention <= 0):
+            raise ValueError(f"Costs.contention needs one positive factor per number of devices computing at once "
+                             f"(1..{table.num_devices}), got {np.asarray(costs.contention).tolist()}")
     dur = action_costs(table, costs)
     act_bytes = (None if costs.activation_bytes is None
                  else _per_stage(costs.activation_bytes, table.num_stages, "activation_bytes"))
-    makespan, start, end = (_lockstep if mode == "lockstep" else _async)(table, dur, comm)
+    if mode == "lockstep":
+        makespan, start, end = _lockstep(table, dur, comm, contention)
+    else:
+        makespan, start, end = _async(table, dur, comm)
     busy = np.zeros(table.num_devices)
     for a, s in start.items():
         busy[a.stage % table.num_devices] += end[a] - s
