@@ -112,6 +112,43 @@ def test_two_processes_equal_one_process(tmp_path, reference, cache_env):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def profile_worker() -> None:
+    """Each process: one CPU device; the profiler's turns alone, then a whole profile over both devices."""
+    import time
+
+    from jpipe.models import mlp
+    from jpipe.partition import Profiler
+    from jpipe.partition._profile import _alone_in_turns
+
+    info = distributed.initialize()
+    spans: list[tuple[float, float]] = []
+
+    def run() -> None:
+        start = time.time()  # the wall clock: the same for both processes on one machine
+        time.sleep(0.02)
+        spans.append((start, time.time()))
+
+    _alone_in_turns([run], repeats=4, warmup=1)
+    mb = {"x": np.ones((4, 4), np.float32), "y": np.zeros((4, 1), np.float32)}
+    prof = Profiler(mlp(in_dim=4, hidden=16, out_dim=1, num_layers=2), mb, devices=jax.devices(),
+                    microbatch_sizes=[2], repeats=3, warmup=1).measure()
+    print("RESULT " + json.dumps({"process": info.process_id, "spans": spans, "profile": json.loads(prof.to_json())}))
+
+
+def test_profile_times_each_process_alone_in_turns_and_agrees_across_processes(cache_env):
+    results = distributed.launch_local(profile_worker, num_processes=2, devices_per_process=1, timeout=240,
+                                       check=True, env=cache_env)
+    out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
+           if line.startswith("RESULT ")]
+    assert [o["process"] for o in out] == [0, 1]
+    first, second = out[0]["spans"], out[1]["spans"]
+    assert len(first) == len(second) == 1 + 1 + 4  # warm-up, the block's untimed call, the timed calls
+    assert max(end for _, end in first) <= min(start for start, _ in second)  # process 1 waited for 0
+    # every number is the slowest process's: both plan from the same profile
+    assert out[0]["profile"] == out[1]["profile"]
+    assert out[0]["profile"]["contention"] >= 1.0 and out[0]["profile"]["comm"] is not None
+
+
 def dying_worker(victim: int) -> None:
     """Trains pipe=2 across the two processes; ``victim`` is SIGKILLed after two steps."""
     info = distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=5)

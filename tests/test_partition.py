@@ -34,6 +34,8 @@ from jpipe.partition import (
 )
 from jpipe.partition._dapple import _place
 from jpipe.partition._profile import interpolate
+from jpipe.partition._search import _contention
+from jpipe.schedules import Costs, simulate
 
 PROFILES = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
                                          "dapple-profiles"))
@@ -141,6 +143,12 @@ def test_profile_json_round_trip_and_scaling(tmp_path):
     older["step_overhead"] = 2e-3                                   # saved as one number: the same at every size
     assert Profile.from_json(json.dumps(older)).step_overhead == ((4.0, 2e-3),)
     assert Profile.from_json(json.dumps(older)).stash_copy == ()
+    assert Profile.from_json(json.dumps(older)).contention == 1.0   # saved before it was measured
+    crowded = dataclasses.replace(p, contention=1.5)
+    assert Profile.from_json(crowded.to_json()) == crowded and crowded.scaled(8).contention == 1.5
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="contention must be a positive factor"):
+            dataclasses.replace(p, contention=bad)
     assert p.scaled(8).stash_copy == p.stash_copy                    # keyed by bytes, not by batch
     assert p.scaled(8).step_overhead == p.step_overhead              # keyed by micro-batch size
     q = dataclasses.replace(p, step_overhead=((2, 1e-3), (8, 4e-3)))
@@ -497,6 +505,32 @@ def test_step_prediction_adds_the_step_overhead_once_per_step():
         extra = evaluate(growing, plan, 32).step_time - evaluate(bare, plan, 32).step_time
         assert extra == pytest.approx(growing.step_overhead_at(size))
     assert growing.step_overhead_at(2) == pytest.approx(1e-3 + 1e-3 / 3)   # between the measured sizes
+
+
+def test_contention_cheapens_only_the_ticks_in_which_some_devices_idle():
+    """A profile timed with every device computing, c times slower than one alone: ticks where one of
+    two stages computes charge 1/c of the profiled cost; ticks where all do, the profiled cost."""
+    layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4)
+    bare = Profile(layers=(layer,) * 4, microbatch_size=4, pre=layer, post=layer)
+    crowded = dataclasses.replace(bare, contention=1.6)
+    for plan in (Plan(1, 2, 4), Plan(1, 4, 2)):                    # data parallel: every device always computes
+        assert evaluate(crowded, plan, 16).step_time == evaluate(bare, plan, 16).step_time
+    one_at_a_time = Plan(2, 1, 1, schedule="gpipe")                  # M=1: never more than one device computes
+    compute = simulate(one_at_a_time._generate_table(),
+                       Costs(*stage_costs(bare.scaled(16), one_at_a_time.stage_partition(4)))).makespan
+    saved = evaluate(bare, one_at_a_time, 16).step_time - evaluate(crowded, one_at_a_time, 16).step_time
+    assert saved == pytest.approx(compute * (1 - 1 / 1.6))
+    for m in (2, 4, 8):                                              # warm-up and cool-down ticks only
+        plan = Plan(2, 1, m)
+        table = plan._generate_table()
+        lonely = sum(1 for t in range(table.num_ticks)
+                     if sum(table.action(t, d) is not None for d in range(2)) == 1)
+        assert 0 < lonely < table.num_ticks
+        assert evaluate(crowded, plan, 16).step_time < evaluate(bare, plan, 16).step_time
+    # pipe=2 x data=2: a tick with one stage computing has 2 of 4 devices computing
+    assert _contention(1.6, 2, 2) == pytest.approx([(1 + 0.6 / 3) / 1.6, 1.0])
+    assert _contention(1.6, 4, 1) == pytest.approx([1 / 1.6, (1 + 0.6 / 3) / 1.6, (1 + 1.2 / 3) / 1.6, 1.0])
+    assert _contention(1.0, 4, 1) is None
 
 
 def test_step_prediction_adds_a_stash_copy_per_action_where_a_device_holds_two_microbatches():

@@ -129,6 +129,10 @@ class Profile:
     slot of a residual stash costs (the executor's stash is indexed by a slot number
     known only at run time, so a forward copies its residuals into their slot and a
     backward copies them out, once a stage holds more than one micro-batch).
+    ``contention`` is how many times slower the devices computed with every device of the cluster
+    computing at once (as the profile's times were taken) than with one computing alone: 1 where
+    devices share nothing (accelerators); above 1 where they share cores, memory or a bus (CPU
+    processes on one machine), so that a tick in which fewer devices compute runs faster.
 
     >>> p = Profile(layers=(LayerCost("l0", 1e-3, 2e-3, 1024, 4096),) * 4, microbatch_size=2)
     >>> p.num_layers, p.scaled(4).layers[0].forward
@@ -150,6 +154,7 @@ class Profile:
     backend: str = ""
     step_overhead: Points | float = ()
     stash_copy: Points = ()
+    contention: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(_layer_cost(l) for l in self.layers))
@@ -157,6 +162,10 @@ class Profile:
             raise ValueError("a Profile needs at least one layer")
         if self.microbatch_size < 1:
             raise ValueError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
+        if not self.contention > 0:  # also NaN
+            raise ValueError(f"contention must be a positive factor (1: devices do not slow each other down), "
+                             f"got {self.contention!r}")
+        object.__setattr__(self, "contention", float(self.contention))
         for part in ("pre", "post"):
             value = getattr(self, part)
             if value is not None:
@@ -205,6 +214,7 @@ class Profile:
             "layers": [layer(l) for l in self.layers], "post": layer(self.post),
             "cut_bytes": list(self.cut_bytes), "comm": None if self.comm is None else self.comm._asdict(),
             "step_overhead": [list(p) for p in self.step_overhead], "stash_copy": [list(p) for p in self.stash_copy],
+            "contention": self.contention,
         }, indent=1)
 
     @classmethod
@@ -219,7 +229,8 @@ class Profile:
                    pre=layer(d["pre"]), post=layer(d["post"]),
                    comm=None if d["comm"] is None else CommCost(**d["comm"]),
                    cut_bytes=tuple(d["cut_bytes"]), name=d.get("name", ""), backend=d.get("backend", ""),
-                   step_overhead=d.get("step_overhead", ()), stash_copy=d.get("stash_copy", ()))
+                   step_overhead=d.get("step_overhead", ()), stash_copy=d.get("stash_copy", ()),
+                   contention=d.get("contention", 1.0))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the profile as JSON; read it back with :func:`load`."""
@@ -687,6 +698,22 @@ def _max_over_processes(values: list[float]) -> list[float]:
     return np.asarray(multihost_utils.process_allgather(flat)).reshape(-1, flat.size).max(axis=0).tolist()
 
 
+def _alone_in_turns(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int) -> list[float]:
+    """:func:`_mean_times` of ``fns`` on each process while every other process waits at a barrier,
+    one process after another (all of them must call it): what a device's work costs when no other
+    device computes."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    mine = [0.0] * len(fns)
+    for p in range(jax.process_count()):
+        multihost_utils.sync_global_devices(f"jpipe.partition.profile: process {p} alone")
+        if p == jax.process_index():
+            mine = _mean_times(fns, repeats, warmup)
+    multihost_utils.sync_global_devices("jpipe.partition.profile: every process done alone")
+    return mine
+
+
 def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
     """Under ``jax.distributed``, every time is the slowest process's (the lock-step pipeline and the
     all-reduces wait for it), and every process gets the same profile. Every process must call it."""
@@ -867,6 +894,7 @@ class Profiler:
         self._steps = [_step_run(model, mb, optimizer, local[0], seed)
                        for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))]
         self._copies = [_stash_copy_run(part.residuals, local[0]) for part in self._parts[1::3]]
+        self._processes = len({d.process_index for d in devices})
         self._comm = None
         if comm and len(devices) > 1:
             pre, layer, post = self._parts[:3]
@@ -916,6 +944,13 @@ class Profiler:
                      for c, u, n in zip(costs[3 * i:3 * i + 3], updates, (1, stack, 1)))
                  for i in range(len(t_steps))]
         beyond = _max_over_processes([max(t - p, 0.0) for t, p in zip(t_steps, parts)])
+        contention = 1.0
+        if self._processes > 1:
+            # the steps again, each process alone: on devices that share a machine a step can run much
+            # faster when no other device computes (2 CPU processes on 2 vCPUs here: 1.4-1.7x)
+            together = _max_over_processes(t_steps)
+            alone = _max_over_processes(_alone_in_turns(self._steps, repeats, self.warmup))
+            contention = max(1.0, sum(together) / sum(alone))  # never faster for others computing
         step_overhead = list(zip((self._size, *self._others), beyond))
         pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
                                              for cost, u, c in zip(costs[:3], updates, curves)])
@@ -934,7 +969,7 @@ class Profiler:
             comm_cost = CommCost(_points(exchange), _points(allreduce))
         return Profile(layers=layers, microbatch_size=self._size, pre=pre, post=post, comm=comm_cost,
                        name=type(self._model).__name__, backend=jax.default_backend(),
-                       step_overhead=step_overhead, stash_copy=stash_copy)
+                       step_overhead=step_overhead, stash_copy=stash_copy, contention=contention)
 
 
 def profile(
@@ -976,7 +1011,9 @@ def profile(
     sizes a plan reduces, both in turns with the parts. Under
     ``jax.distributed`` every process must call it: each times its own first
     device, and every time in the result is the slowest process's (a lock-step
-    step waits for it), the same profile on every process. With ``rounds`` > 1,
+    step waits for it), the same profile on every process; with more than one
+    process, the training steps are timed once more with each process alone in
+    turns (the others wait at a barrier), and the ratio is ``contention``. With ``rounds`` > 1,
     the mean (:func:`mean_profile`) of that many profiles taken back to back: on
     a shared machine an exchange's cost drifts over tens of seconds, and one
     profile of a few seconds can miss a long run's mean by 2x.

@@ -140,6 +140,16 @@ def _allreduce(comm: CommCost | None, size: float, n: int) -> float:
     return 0.0 if comm is None else comm.allreduce_time(size, n)
 
 
+def _contention(contention: float, pipe: int, data: int) -> list[float] | None:
+    """The simulator's factor per number of stages computing in a tick (each on ``data`` devices), from a
+    profile timed with all ``pipe x data`` devices computing, ``contention`` times slower than one alone:
+    linear in the number of devices computing between ``1 / contention`` (one) and 1 (all)."""
+    n = pipe * data
+    if contention == 1.0 or n == 1:
+        return None
+    return [(1 + (contention - 1) * (k * data - 1) / (n - 1)) / contention for k in range(1, pipe + 1)]
+
+
 def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | None = None) -> Candidate:
     """Predicted step time, bubble and peak memory per device of ``plan`` for ``profile``.
 
@@ -151,7 +161,9 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     optimizer update of the largest stage with ``pre`` and ``post``, plus what a step costs
     beyond its parts at the plan's micro-batch size (``profile.step_overhead_at``). Where the
     schedule holds more than one micro-batch's residuals on a device, every forward and backward
-    also pays one copy of a stash slot (``profile.stash_copy``). Memory counts weights,
+    also pays one copy of a stash slot (``profile.stash_copy``). Where devices slow each other
+    down (``profile.contention`` > 1), a tick in which only some stages compute charges their
+    actions less than the profiled cost (:func:`_contention`). Memory counts weights,
     gradients and optimizer state (stages padded to the largest, ``pre`` and
     ``post`` on every device) and the micro-batches the schedule holds.
     """
@@ -170,7 +182,8 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
         copy = interpolate(prof.stash_copy, max_layers * layer.residual_bytes)
         fwd, bwd = [f + copy for f in fwd], [b + copy for b in bwd]
     per_tick = comm.exchange_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
-    sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick), mode="lockstep")
+    sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick,
+                                contention=_contention(profile.contention, plan.pipe, plan.data)), mode="lockstep")
     io = [p for p in (prof.pre, prof.post) if p is not None]
     io_params = sum(p.param_bytes for p in io)
     io_opt = sum(p.optimizer_bytes for p in io)
