@@ -15,7 +15,9 @@ local devices instead -- the same code path, unchanged.
    is the slowest process's, so that every process plans from the same numbers (and builds the
    same partitions). The planner gets the mean of ``--profile-rounds`` profiles taken back to back
    (``Profiler.measure(rounds=...)``, 40-80 s here): one profile's exchange missed the long run's
-   by up to 2.8x.
+   by up to 2.8x. The profiler also times a step with each process computing alone, the other
+   waiting: on this host's two vCPUs a device computes 1.4-1.7x slower while the other computes too,
+   and the simulator charges a tick by how many devices compute in it (``Profile.contention``).
 2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over the devices: on 2,
    ``pipe=2, data=1`` with M in ``--microbatches`` x ``--schedules``, and ``pipe=1, data=2``.
 3. Measure every candidate's mean step time (``partition.robust_mean``: the planner adds up means)
@@ -314,6 +316,8 @@ def worker(argv: list[str], local: bool) -> None:
             f"post {at.post.forward * 1e3:.3f}/{at.post.backward * 1e3:.3f}")
     say(f"optimizer update ms: pre {prof.pre.update * 1e3:.3f}, layer {prof.layers[0].update * 1e3:.3f}, "
         f"post {prof.post.update * 1e3:.3f}")
+    say(f"contention: a step with every device computing took {prof.contention:.2f}x its time with one device "
+        f"computing alone (the simulator charges a tick by how many devices compute in it)")
     c = prof.comm
     if c is not None:  # one device: no communication to profile
         say("comm: exchange added to a computing tick " + ", ".join(f"{b / 1024:.0f} KiB {t * 1e6:.0f} us" for b, t in c.exchange)
