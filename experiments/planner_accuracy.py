@@ -24,6 +24,8 @@ local devices instead -- the same code path, unchanged.
    with ``jpipe.train_step`` on the 2-device mesh, each process feeding only its own rows
    (``local_rows`` / ``global_batch``); the plans are timed in turns (``--rounds``) so that a shared
    machine's changing load hits them alike; the rounds' means give each mean's standard error.
+   The table also gives each plan's minor page faults per timed step (this process's): a step
+   whose temporary buffer glibc maps afresh every time pays for its pages every time.
 4. Profile again in every round, in turns with the plans (``partition.Profiler`` compiled the runs
    once; ``--repeats`` calls each). The mean of these profiles saw the machine as the plans
    did: on this VM its speed drifts by 5-35 % over the minutes between the first profile and the
@@ -51,6 +53,7 @@ import ctypes
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -338,7 +341,7 @@ def worker(argv: list[str], local: bool) -> None:
         for i in range(args.warmup):
             state, metrics = step(state, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
-        runs.append({"cand": cand, "state": state, "step": step, "batches": batches, "times": [], "round_means": [],
+        runs.append({"cand": cand, "state": state, "step": step, "batches": batches, "times": [], "round_means": [], "faults": 0,
                      "compile_s": compile_s})
     in_turns, profile_s = [], 0.0
     for _ in range(args.rounds):
@@ -347,13 +350,14 @@ def worker(argv: list[str], local: bool) -> None:
             # the allocator's free lists), which a training run, stepping one plan, never pays
             run["state"], metrics = run["step"](run["state"], run["batches"][-1])
             jax.block_until_ready((run["state"], metrics))
-            times = []
+            times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for i in range(args.steps):
                 t0 = time.perf_counter()
                 run["state"], metrics = run["step"](run["state"], run["batches"][i % len(run["batches"])])
                 jax.block_until_ready((run["state"], metrics))
                 times.append(time.perf_counter() - t0)
             run["times"] += times
+            run["faults"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             run["round_means"].append(partition.robust_mean(times))
         # 4. and the profile again in every round, in turns with the plans (compiled once: no compile here)
         t0 = time.perf_counter()
@@ -375,7 +379,8 @@ def worker(argv: list[str], local: bool) -> None:
                      "in_turns_ms": in_turns_cand.step_time * 1e3, "memory": cand.memory,
                      "median_ms": statistics.median(run["times"]) * 1e3, "standard_error_ms": error_ms,
                      "error": cand.step_time / measured - 1, "in_turns_error": in_turns_cand.step_time / measured - 1,
-                     "compile_s": run["compile_s"], "spread_ms": [1e3 * min(run["times"]), 1e3 * max(run["times"])]})
+                     "compile_s": run["compile_s"], "spread_ms": [1e3 * min(run["times"]), 1e3 * max(run["times"])],
+                     "faults_per_step": run["faults"] / len(run["times"])})
     del runs
 
     # 5. report
@@ -386,15 +391,15 @@ def worker(argv: list[str], local: bool) -> None:
     # from the profiles in turns, the planner would choose the fastest predicted plan (less memory first on a tie)
     chosen_in_turns = min(rows, key=lambda r: (r["in_turns_ms"], r["memory"]))
     say(f"\n{'pipe':>4} {'data':>4} {'M':>3} {'schedule':<8} {'part':<6} {'predicted ms':>12} {'in turns':>9} "
-        f"{'measured ms':>15} {'median':>7} {'(min-max)':>15} {'error':>7} {'error':>7}")
-    say(f"{'':>29} {'(1st profile)':>12} {'(mean)':>9} {'':>48} {'(1st)':>7} {'(turns)':>7}")
+        f"{'measured ms':>15} {'median':>7} {'(min-max)':>15} {'faults':>7} {'error':>7} {'error':>7}")
+    say(f"{'':>29} {'(1st profile)':>12} {'(mean)':>9} {'':>48} {'/step':>7} {'(1st)':>7} {'(turns)':>7}")
     for r in sorted(rows, key=lambda r: r["measured_ms"]):
         tag = "".join(t for t, c in ((" <- planner's choice", chosen), (" <- choice from the profiles in turns", chosen_in_turns))
                       if r is c)
         say(f"{r['pipe']:>4} {r['data']:>4} {r['microbatches']:>3} {r['schedule']:<8} "
             f"{','.join(map(str, r['partition'])) or '-':<6} {r['predicted_ms']:>12.2f} {r['in_turns_ms']:>9.2f} "
             f"{r['measured_ms']:>8.2f} +-{r['standard_error_ms']:<4.2f} {r['median_ms']:>7.2f} "
-            f"{r['spread_ms'][0]:>7.1f}-{r['spread_ms'][1]:<7.1f} {r['error']:>+7.1%} {r['in_turns_error']:>+7.1%}{tag}")
+            f"{r['spread_ms'][0]:>7.1f}-{r['spread_ms'][1]:<7.1f} {r['faults_per_step']:>7.0f} {r['error']:>+7.1%} {r['in_turns_error']:>+7.1%}{tag}")
 
     def judged(what: str, key: str, pick) -> dict:
         """How the predictions under ``key`` do: worst error, rank correlation, and whether ``pick`` is the
