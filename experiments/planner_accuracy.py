@@ -16,7 +16,7 @@ local devices instead -- the same code path, unchanged.
    same partitions). The planner gets the mean of ``--profile-rounds`` profiles taken back to back
    (``Profiler.measure(rounds=...)``, 40-80 s here): one profile's exchange missed the long run's
    by up to 2.8x. The profiler also times a step with each process computing alone, the other
-   waiting: on this host's two vCPUs a device computes 1.4-1.7x slower while the other computes too,
+   waiting: with two processes on two vCPUs a device computed 1.05-1.7x slower while the other computed too,
    and the simulator charges a tick by how many devices compute in it (``Profile.contention``).
 2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over the devices: on 2,
    ``pipe=2, data=1`` with M in ``--microbatches`` x ``--schedules``, and ``pipe=1, data=2``.

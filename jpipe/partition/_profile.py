@@ -947,7 +947,7 @@ class Profiler:
         contention = 1.0
         if self._processes > 1:
             # the steps again, each process alone: on devices that share a machine a step can run much
-            # faster when no other device computes (2 CPU processes on 2 vCPUs here: 1.4-1.7x)
+            # faster when no other device computes (2 CPU processes on 2 vCPUs: 1.05-1.7x on the hosts seen)
             together = _max_over_processes(t_steps)
             alone = _max_over_processes(_alone_in_turns(self._steps, repeats, self.warmup))
             contention = max(1.0, sum(together) / sum(alone))  # never faster for others computing
