@@ -20,6 +20,9 @@ local devices instead -- the same code path, unchanged.
    and the simulator charges a tick by how many devices compute in it (``Profile.contention``).
 2. Ask the planner (``jpipe.partition.search``) for the ranked candidates over the devices: on 2,
    ``pipe=2, data=1`` with M in ``--microbatches`` x ``--schedules``, and ``pipe=1, data=2``.
+   Then ``partition.refine`` with its defaults times the best predicted (those within 25 % of the
+   best prediction, at most 3; 5 steps in each of 3 rounds) and chooses the fastest of them: the
+   choice a user gets who asks for a measured refinement (``jpipe plan --measure 3``).
 3. Measure every candidate's mean step time (``partition.robust_mean``: the planner adds up means)
    with ``jpipe.train_step`` on the 2-device mesh, each process feeding only its own rows
    (``local_rows`` / ``global_batch``); the plans are timed in turns (``--rounds``) so that a shared
@@ -33,7 +36,8 @@ local devices instead -- the same code path, unchanged.
 5. Print, for the planner's own prediction (the first profile) and for the prediction from the mean
    of the profiles in turns: predicted vs measured, the relative error, Spearman's rank correlation and
    whether the choice is the fastest measured plan (and, when it is not, whether the gap is within
-   twice the standard error of the difference: a tie this measurement cannot break).
+   twice the standard error of the difference: a tie this measurement cannot break); the same for
+   the choice after ``partition.refine``.
 
     python experiments/planner_accuracy.py                 # 2 CPU processes (5-15 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
@@ -93,6 +97,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _key(plan) -> tuple:
     return (plan.pipe, plan.data, plan.microbatches, str(plan.schedule) + ("+fused" if plan.fuse_ticks else ""))
+
+
+def _row(rows: list[dict], plan) -> dict | None:
+    """The measured row of ``plan`` (None if it was not measured)."""
+    return next((r for r in rows if (r["pipe"], r["data"], r["microbatches"], r["schedule"]) == _key(plan)), None)
 
 
 def spearman(a, b) -> float:
@@ -332,6 +341,12 @@ def worker(argv: list[str], local: bool) -> None:
              if cd.plan.microbatches in (1, *args.microbatches)]
     cands.sort(key=lambda cd: _key(cd.plan))  # the same order on every process
     say("\nplanner's ranked candidates:\n" + choice.table())
+    # 2b. measure the best predicted with the library's defaults (those within 25 % of the best, at most 3)
+    t0 = time.perf_counter()
+    refined = partition.refine(choice, model, full[0], devices=devices, optimizer=optimizer)
+    timed = [cd for cd in refined.candidates if cd.measured is not None]
+    say(f"\npartition.refine measured the {len(timed)} best predicted ({time.perf_counter() - t0:.1f}s):\n"
+        + refined.table(top=len(timed)))
 
     # 3. measure: compile every plan, then time them in turns (--rounds rounds of --steps steps each), so
     # that a change in the machine's load hits every plan alike; robust mean over all timed steps
@@ -386,8 +401,7 @@ def worker(argv: list[str], local: bool) -> None:
     # 5. report
     fastest = min(rows, key=lambda r: r["measured_ms"])
     name = lambda r: f"{r['pipe']}x{r['data']} M={r['microbatches']} {r['schedule']}"
-    chosen = next((r for r in rows if (r["pipe"], r["data"], r["microbatches"], r["schedule"]) == _key(choice.plan)),
-                  None)
+    chosen = _row(rows, choice.plan)
     # from the profiles in turns, the planner would choose the fastest predicted plan (less memory first on a tie)
     chosen_in_turns = min(rows, key=lambda r: (r["in_turns_ms"], r["memory"]))
     say(f"\n{'pipe':>4} {'data':>4} {'M':>3} {'schedule':<8} {'part':<6} {'predicted ms':>12} {'in turns':>9} "
@@ -401,16 +415,11 @@ def worker(argv: list[str], local: bool) -> None:
             f"{r['measured_ms']:>8.2f} +-{r['standard_error_ms']:<4.2f} {r['median_ms']:>7.2f} "
             f"{r['spread_ms'][0]:>7.1f}-{r['spread_ms'][1]:<7.1f} {r['faults_per_step']:>7.0f} {r['error']:>+7.1%} {r['in_turns_error']:>+7.1%}{tag}")
 
-    def judged(what: str, key: str, pick) -> dict:
-        """How the predictions under ``key`` do: worst error, rank correlation, and whether ``pick`` is the
-        fastest measured plan (or, when it is not, a tie within two standard errors of the difference)."""
-        errors = [r["error" if key == "predicted" else f"{key}_error"] for r in rows]
-        worst = max(map(abs, errors))
-        rho = spearman([r[f"{key}_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    def verdict(pick) -> dict:
+        """Whether ``pick`` is the fastest measured plan (or, when it is not, a tie within two standard
+        errors of the difference)."""
         hit = pick is fastest
-        say(f"{what}: max |error| {worst:.1%}, {sum(abs(e) <= 0.25 for e in errors)}/{len(rows)} within 25% "
-            f"(target: all: {'yes' if worst <= 0.25 else 'NO'}); Spearman rho {rho:.3f}; choice {name(pick)} "
-            f"measured {pick['measured_ms']:.2f} ms -> the fastest: {'yes' if hit else 'NO'}")
+        say(f"  choice {name(pick)} measured {pick['measured_ms']:.2f} ms -> the fastest: {'yes' if hit else 'NO'}")
         tie = False
         if not hit:
             # two means that differ by less than twice their combined standard error are not told apart
@@ -420,8 +429,16 @@ def worker(argv: list[str], local: bool) -> None:
             say(f"  {gap:.2f} ms ({gap / fastest['measured_ms']:.1%}) slower than the fastest; two standard errors "
                 f"of the difference: {2 * noise:.2f} ms -> "
                 + ("a tie within this measurement's noise" if tie else "significantly slower"))
-        return {"max_abs_error": worst, "spearman": rho, "chosen": name(pick), "chosen_is_fastest": hit,
-                "chosen_ties_fastest_within_noise": tie}
+        return {"chosen": name(pick), "chosen_is_fastest": hit, "chosen_ties_fastest_within_noise": tie}
+
+    def judged(what: str, key: str, pick) -> dict:
+        """How the predictions under ``key`` do: worst error, rank correlation, and :func:`verdict` on ``pick``."""
+        errors = [r["error" if key == "predicted" else f"{key}_error"] for r in rows]
+        worst = max(map(abs, errors))
+        rho = spearman([r[f"{key}_ms"] for r in rows], [r["measured_ms"] for r in rows])
+        say(f"{what}: max |error| {worst:.1%}, {sum(abs(e) <= 0.25 for e in errors)}/{len(rows)} within 25% "
+            f"(target: all: {'yes' if worst <= 0.25 else 'NO'}); Spearman rho {rho:.3f}")
+        return {"max_abs_error": worst, "spearman": rho, **verdict(pick)}
 
     say(f"\nplans: {len(rows)}; fastest measured {name(fastest)} {fastest['measured_ms']:.2f} ms")
     if chosen is None:
@@ -429,12 +446,17 @@ def worker(argv: list[str], local: bool) -> None:
     first = judged("predicted from the profile before the measurement", "predicted", chosen)
     mean = judged(f"predicted from the mean of the {len(in_turns)} profiles taken in turns with the plans",
                   "in_turns", chosen_in_turns)
+    say(f"the first profile's choice after partition.refine timed the best {len(timed)} predicted "
+        f"({', '.join(f'{name(_row(rows, cd.plan))} {cd.measured * 1e3:.2f} ms' for cd in timed)}):")
+    after_refine = verdict(_row(rows, refined.plan))
     drift = statistics.mean(r["in_turns_ms"] / r["predicted_ms"] for r in rows) - 1
     say(f"machine speed: the profiles in turns with the plans predict {drift:+.1%} on average against the first "
         f"profile (a drift of this size moves every error of the first prediction alike)")
     if me == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": mode, "rows": rows, "first_profile": first, "profiles_in_turns": mean,
+                       "refined": {**after_refine, "measured_ms": {name(_row(rows, cd.plan)): cd.measured * 1e3
+                                                                   for cd in timed}},
                        "profile_drift": drift, "profile": json.loads(prof.to_json()),
                        "profile_in_turns": json.loads(turns.to_json())}, f, indent=1)
 

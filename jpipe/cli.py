@@ -206,6 +206,9 @@ def _add_plan(commands) -> None:
         help="MiB per device (default: what the device reports, else no limit)")
     add("--profile-rounds", type=int, default=1, metavar="N",
         help="profiles taken back to back and averaged: steadier on a shared machine, N times the profiling")
+    add("--measure", type=int, default=0, metavar="N",
+        help="also time the N best predicted plans (those within 25%% of the best prediction) with "
+             "train_step and choose the fastest measured (jpipe.partition.refine); 0: predict only")
     add("--top", type=int, default=20, help="candidates to print (0: all)")
     plan.set_defaults(run=_plan, plan_parser=plan)
 
@@ -215,6 +218,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("devices", "batch_size", "seq_len", "layers", "d_model", "heads", "profile_rounds"):
         if getattr(args, name) < 1:
             sub.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.measure < 0:
+        sub.error("--measure must be >= 0 (plans to time; 0: predict only)")
     if args.batch_size < args.devices:
         sub.error(f"--batch-size {args.batch_size} is smaller than --devices {args.devices}; every data "
                   f"replica needs at least one sequence")
@@ -230,13 +235,19 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                            num_layers=args.layers)
         tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
         limit = None if args.memory_limit is None else args.memory_limit * 2**20
-        choice = jpipe.plan(model, {"tokens": tokens, "targets": tokens}, devices=devices, memory_limit=limit,
-                            profile_rounds=args.profile_rounds)
+        batch = {"tokens": tokens, "targets": tokens}
+        choice = jpipe.plan(model, batch, devices=devices, memory_limit=limit, profile_rounds=args.profile_rounds)
+        if args.measure:
+            from jpipe import partition
+
+            choice = partition.refine(choice, model, batch, devices=devices, top=args.measure)
     except ValueError as e:
         sub.error(str(e))
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {args.seq_len} tokens; "
           f"batch {args.batch_size} on {len(devices)} {devices[0].platform} devices "
-          f"({len(choice.candidates)} candidates, fastest that fits first)")
+          f"({len(choice.candidates)} candidates, " + ("the measured ones first, fastest measured first, "
+                                                       "then by prediction" if args.measure
+                                                       else "fastest that fits first") + ")")
     print(choice.table(top=args.top or None))
     p = choice.plan
     print(f"chosen: pipe {p.pipe} x data {p.data}, {p.microbatches} micro-batches, {p.schedule}, "

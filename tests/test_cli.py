@@ -174,12 +174,21 @@ def test_examples_run(name, capsys):
     assert "loss" in capsys.readouterr().out
 
 
-def test_plan_prints_the_ranked_candidates(capsys):
+def test_plan_prints_the_ranked_candidates_measuring_the_best(capsys):
     assert cli.main(["plan", "--devices", "2", "--batch-size", "4", "--seq-len", "8", "--layers", "2",
-                     "--d-model", "16", "--heads", "2", "--profile-rounds", "2", "--top", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "batch 4 on 2" in out and "chosen: pipe" in out
-    assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "--profile-rounds", "0"])
-    assert "--profile-rounds must be >= 1" in capsys.readouterr().err
+                     "--d-model", "16", "--heads", "2", "--profile-rounds", "2", "--measure", "2",
+                     "--top", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "batch 4 on 2" in lines[0]
+    rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
+    assert "measured" in lines[1] and len(rows) == 4
+    measured = [float(r[7]) for r in rows if r[7] != "-"]
+    assert 1 <= len(measured) <= 2 and measured == sorted(measured)  # the measured ones first, fastest first
+    assert all(r[7] == "-" for r in rows[len(measured):])
+    pipe, data, micro = rows[0][1:4]
+    assert lines[-1].startswith(f"chosen: pipe {pipe} x data {data}, {micro} micro-batches")
+    for flag, value, message in (("--profile-rounds", "0", "--profile-rounds must be >= 1"),
+                                 ("--measure", "-1", "--measure must be >= 0")):
+        with pytest.raises(SystemExit):
+            cli.main(["plan", flag, value])
+        assert message in capsys.readouterr().err

@@ -149,6 +149,29 @@ def test_profile_times_each_process_alone_in_turns_and_agrees_across_processes(c
     assert out[0]["profile"]["contention"] >= 1.0 and out[0]["profile"]["comm"] is not None
 
 
+def measure_worker() -> None:
+    """Each process: one CPU device; a pipe=2 and a data=2 plan timed over both devices."""
+    from jpipe.models import mlp
+    from jpipe.partition import measure_plans
+
+    info = distributed.initialize()
+    batch = {"x": np.arange(32, dtype=np.float32).reshape(8, 4), "y": np.zeros((8, 1), np.float32)}
+    plans = [jpipe.Plan(pipe=2, data=1, microbatches=2), jpipe.Plan(pipe=1, data=2, microbatches=1)]
+    times = measure_plans(mlp(in_dim=4, hidden=16, out_dim=1, num_layers=2), plans, batch, steps=2, rounds=2,
+                          warmup=1)
+    print("RESULT " + json.dumps({"process": info.process_id, "times": times}))
+
+
+def test_measured_plans_agree_across_processes(cache_env):
+    results = distributed.launch_local(measure_worker, num_processes=2, devices_per_process=1, timeout=240,
+                                       check=True, env=cache_env)
+    out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
+           if line.startswith("RESULT ")]
+    assert [o["process"] for o in out] == [0, 1]
+    # each time is the slowest process's: every process ranks the plans alike and chooses the same one
+    assert out[0]["times"] == out[1]["times"] and all(t > 0 for t in out[0]["times"])
+
+
 def dying_worker(victim: int) -> None:
     """Trains pipe=2 across the two processes; ``victim`` is SIGKILLed after two steps."""
     info = distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=5)

@@ -27,7 +27,9 @@ from jpipe.partition import (
     dapple_plan,
     evaluate,
     load,
+    measure_plans,
     read_graph_profile,
+    refine,
     robust_line,
     search,
     stage_costs,
@@ -269,6 +271,57 @@ def test_search_ranks_candidates_and_respects_memory():
     assert limited.plan.pipe > 1 and limited.candidates[0].memory <= dp_memory * 0.7
     with pytest.raises(ValueError, match="raise memory_limit"):
         search(prof, num_devices=8, global_batch=32, memory_limit=1.0)
+
+
+def test_refine_measures_the_best_predicted_within_reach_and_chooses_by_measurement(monkeypatch):
+    from jpipe.partition import _measure
+
+    choice = search(_toy_profile(), num_devices=8, global_batch=32)
+    best = choice.candidates[0].step_time
+    within_25 = [c for c in choice.candidates if c.step_time <= 1.25 * best]
+    assert len(within_25) == 5  # three data-parallel ties, two pipelined plans within 20 %
+    asked = []
+
+    def measure(model, plans, batch, **kwargs):  # the last predicted is the fastest measured
+        asked.append(list(plans))
+        return [1.0 / (i + 1) for i in range(len(plans))]
+
+    monkeypatch.setattr(_measure, "measure_plans", measure)
+    batch = {"x": np.ones((32, 1))}
+    for top, within, expect in ((3, 0.25, 3), (9, 0.25, 5), (9, 0.1, 3), (1, 0.25, 1)):
+        asked.clear()
+        refined = refine(choice, None, batch, top=top, within=within)
+        assert asked == [[c.plan for c in choice.candidates[:expect]]]
+        assert refined.plan == choice.candidates[expect - 1].plan
+        assert [c.measured for c in refined.candidates[:expect]] == [1.0 / i for i in range(expect, 0, -1)]
+        assert all(c.measured is None for c in refined.candidates[expect:])
+        assert refined.candidates[expect:] == choice.candidates[expect:]  # the rest keep their order
+        assert "measured" in refined.table() and "measured" not in choice.table()
+    with pytest.raises(ValueError, match="top must be >= 1"):
+        refine(choice, None, batch, top=0)
+    with pytest.raises(ValueError, match="within must be >= 0"):
+        refine(choice, None, batch, within=-0.1)
+    unfit = choice._replace(candidates=tuple(c._replace(fits=False) for c in choice.candidates))
+    with pytest.raises(ValueError, match="no candidate fits"):
+        refine(unfit, None, batch)
+
+
+def test_measure_plans_times_each_plan_on_its_mesh():
+    import jax
+    import jax.numpy as jnp
+
+    import jpipe.models
+
+    model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+    plans = [Plan(pipe=2, data=2, microbatches=2), Plan(pipe=4, data=1, microbatches=4, schedule="gpipe"),
+             Plan(pipe=1, data=4, microbatches=1)]
+    times = measure_plans(model, plans, batch, devices=jax.devices()[:4], steps=2, rounds=2, warmup=1)
+    assert len(times) == 3 and all(0 < t < 60 and math.isfinite(t) for t in times)
+    with pytest.raises(ValueError, match="pipe x data = 2 x 1 = 2 but there are 4 devices"):
+        measure_plans(model, [Plan(pipe=2, data=1, microbatches=2)], batch, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        measure_plans(model, plans, batch, devices=jax.devices()[:4], steps=0)
 
 
 def test_gpipe_holds_more_than_1f1b_in_predicted_memory():

@@ -7,7 +7,8 @@
 - :func:`dapple_latency` and :func:`dapple_plan` are DAPPLE's latency model and
   planner for a general :class:`Cluster`.
 - :func:`plan` (also ``jpipe.plan``) picks jpipe's mesh shape, partition,
-  micro-batches and schedule from profiled costs.
+  micro-batches and schedule from profiled costs; :func:`refine` times the
+  best few predicted plans (:func:`measure_plans`) and chooses by measurement.
 
 >>> from jpipe import partition
 >>> partition.Cluster.preset("dapple-B").num_devices
@@ -17,6 +18,7 @@
 from jpipe.partition._cluster import Cluster
 from jpipe.partition._cost import Latency, dapple_latency
 from jpipe.partition._dapple import DapplePlan, Stage, dapple_plan
+from jpipe.partition._measure import measure_plans, refine
 from jpipe.partition._profile import (
     CommCost,
     GraphNode,
@@ -65,12 +67,14 @@ __all__ = [
     "load",
     "mean_profile",
     "measure_comm",
+    "measure_plans",
     "microbatch_sizes",
     "plan",
     "profile",
     "profile_sizes",
     "read_graph",
     "read_graph_profile",
+    "refine",
     "robust_line",
     "robust_mean",
     "search",

@@ -17,13 +17,15 @@ DEFAULT_SCHEDULES = ("gpipe", "1f1b", "1f1b-b")
 
 
 class Candidate(NamedTuple):
-    """One plan with its predicted step time (s), bubble fraction and peak bytes per device."""
+    """One plan with its predicted step time (s), bubble fraction and peak bytes per device, and its
+    measured step time (s) once :func:`refine` has timed it (else ``None``)."""
 
     plan: Plan
     step_time: float
     bubble: float
     memory: float
     fits: bool
+    measured: float | None = None
 
 
 class PlanChoice(NamedTuple):
@@ -38,9 +40,11 @@ class PlanChoice(NamedTuple):
 
 
 def format_candidates(candidates: Sequence[Candidate]) -> str:
-    """A text table: rank, pipe x data, micro-batches, schedule, partition, time, bubble, memory."""
+    """A text table: rank, pipe x data, micro-batches, schedule, partition, time, bubble, memory (and the
+    measured time, where :func:`refine` measured any)."""
+    timed = any(c.measured is not None for c in candidates)
     head = f"{'#':>3} {'pipe':>4} {'data':>4} {'M':>4} {'schedule':<12} {'partition':<22} " \
-           f"{'step ms':>9} {'bubble':>7} {'MiB/dev':>9} fits"
+           f"{'step ms':>9}{' measured' if timed else ''} {'bubble':>7} {'MiB/dev':>9} fits"
     rows = [head]
     for i, c in enumerate(candidates, 1):
         p = c.plan
@@ -48,8 +52,9 @@ def format_candidates(candidates: Sequence[Candidate]) -> str:
         if len(part) > 22:
             part = part[:19] + "..."
         name = str(p.schedule) + ("+fused" if p.fuse_ticks else "")
+        measured = "" if not timed else f"{'-':>9}" if c.measured is None else f"{c.measured * 1e3:>9.2f}"
         rows.append(f"{i:>3} {p.pipe:>4} {p.data:>4} {p.microbatches:>4} {name:<12} {part:<22} "
-                    f"{c.step_time * 1e3:>9.2f} {c.bubble:>7.1%} {c.memory / 2**20:>9.1f} "
+                    f"{c.step_time * 1e3:>9.2f}{' ' * timed}{measured} {c.bubble:>7.1%} {c.memory / 2**20:>9.1f} "
                     f"{'yes' if c.fits else 'NO'}")
     return "\n".join(rows)
 
