@@ -69,7 +69,7 @@ def _add_train(commands) -> argparse.ArgumentParser:
     add("--d-model", type=int, default=d.d_model, help="model width")
     add("--heads", type=int, default=d.heads, help="attention heads")
     add("--framework", choices=("nnx", "linen"), default=d.framework, help="Flax API of the model")
-    plan_default = "the planner's choice, else {}"
+    plan_default = "the planner's choice; beside other plan options, {}"
     add("--pipe", type=int, default=None, help="pipeline stages (default: " +
         plan_default.format(FIXED_PLAN["pipe"]) + ")")
     add("--data", type=int, default=None, help="data-parallel replicas (default: " +

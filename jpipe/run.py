@@ -3,8 +3,8 @@ write a run folder (plan, metrics, checkpoints, pictures, report; see :mod:`jpip
 
 :class:`TrainConfig` holds every option of ``jpipe train`` (TOML config files use the same
 keys) and :func:`train` runs it. Without plan options (``pipe``, ``data``, ``microbatches``,
-``schedule`` all ``None``) the plan comes from ``jpipe.plan`` (the planner) when jpipe has one,
-else it is the fixed plan pipe 4 x data 2, 4 micro-batches, 1F1B.
+``schedule`` all ``None``) the plan comes from ``jpipe.plan`` (the planner); plan options left
+out beside others given default to :data:`FIXED_PLAN` (pipe 4 x data 2, 4 micro-batches, 1F1B).
 
 >>> config = TrainConfig(steps=2, batch_size=8, pipe=2, data=1, microbatches=2)
 >>> config.check(); config.plan_given, config.num_devices_wanted()
@@ -79,7 +79,7 @@ class TrainConfig:
         return any(getattr(self, k) is not None for k in PLAN_KEYS)
 
     def num_devices_wanted(self) -> int:
-        """Devices an explicit plan needs (8 when the planner or the fixed plan decides)."""
+        """Devices an explicit plan needs (8 when the planner decides)."""
         if self.pipe is None and self.data is None:
             return FIXED_PLAN["pipe"] * FIXED_PLAN["data"]
         pipe = self.pipe or FIXED_PLAN["pipe"]
@@ -229,10 +229,10 @@ def _shared_run_dir() -> str:
 
 
 def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) -> tuple[Any, str, str | None]:
-    """The plan to run, where it came from (``"options"``, ``"planner"`` or ``"fixed"``) and, from
+    """The plan to run, where it came from (``"options"`` or ``"planner"``) and, from
     the planner, its ranked candidates as text.
 
-    Options override; with none, ``jpipe.plan`` decides when it exists, else :data:`FIXED_PLAN`.
+    Options override (what they leave out from :data:`FIXED_PLAN`); with none, ``jpipe.plan`` decides.
 
     >>> import jax
     >>> plan, source, _ = choose_plan(TrainConfig(pipe=2, data=1), None, None, jax.devices())
@@ -241,24 +241,17 @@ def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) ->
     """
     import jpipe
 
-    planner = getattr(jpipe, "plan", None)
-    if not config.plan_given and callable(planner):
-        choice = planner(model, example_batch, devices=list(devices))
-        chosen = getattr(choice, "plan", choice)  # a PlanChoice carries the Plan and the candidates
-        if not isinstance(chosen, jpipe.Plan):
-            raise TypeError(f"jpipe.plan returned {type(chosen).__name__}, expected a jpipe.Plan")
-        table = getattr(choice, "table", None)
-        candidates = table(10) if callable(table) else None
-        if config.remat or config.fuse_ticks:
-            chosen = dataclasses.replace(chosen, remat=chosen.remat or config.remat,
-                                         fuse_ticks=chosen.fuse_ticks or config.fuse_ticks)
-        return chosen, "planner", candidates
+    if not config.plan_given:
+        choice = jpipe.plan(model, example_batch, devices=list(devices))
+        chosen = dataclasses.replace(choice.plan, remat=choice.plan.remat or config.remat,
+                                     fuse_ticks=choice.plan.fuse_ticks or config.fuse_ticks)
+        return chosen, "planner", choice.table(10)
     pipe = config.pipe or FIXED_PLAN["pipe"]
     data = config.data or max(1, 8 // pipe)
     plan = jpipe.Plan(pipe=pipe, data=data, microbatches=config.microbatches or FIXED_PLAN["microbatches"],
                       schedule=config.schedule or FIXED_PLAN["schedule"], remat=config.remat,
                       virtual_stages=config.virtual_stages, fuse_ticks=config.fuse_ticks)
-    return plan, ("options" if config.plan_given else "fixed"), None
+    return plan, "options", None
 
 
 def _plan_record(plan, source: str, num_layers: int) -> dict[str, Any]:

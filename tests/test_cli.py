@@ -192,3 +192,21 @@ def test_plan_prints_the_ranked_candidates_measuring_the_best(capsys):
         with pytest.raises(SystemExit):
             cli.main(["plan", flag, value])
         assert message in capsys.readouterr().err
+
+
+def test_train_without_plan_options_runs_the_planners_choice():
+    import jax
+    import jax.numpy as jnp
+
+    import jpipe.models
+    from jpipe.run import TrainConfig, choose_plan
+
+    model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+    plan, source, table = choose_plan(TrainConfig(remat=True), model, batch, jax.devices()[:2])
+    assert source == "planner" and plan.remat  # the option --remat survives the planner's plan
+    assert plan.pipe * plan.data == 2
+    best = next(line.split() for line in table.splitlines() if line.strip()[:1].isdigit())
+    assert best[1:5] == [str(plan.pipe), str(plan.data), str(plan.microbatches), plan.schedule]
+    plan, source, table = choose_plan(TrainConfig(pipe=2), model, batch, jax.devices())
+    assert (source, table, plan.pipe, plan.data) == ("options", None, 2, 4)  # the rest from FIXED_PLAN
