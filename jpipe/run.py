@@ -78,12 +78,17 @@ class TrainConfig:
         """Whether any of ``pipe``, ``data``, ``microbatches``, ``schedule`` is set."""
         return any(getattr(self, k) is not None for k in PLAN_KEYS)
 
+    @property
+    def given_mesh(self) -> tuple[int, int]:
+        """``(pipe, data)`` of the explicit plan: ``pipe`` from :data:`FIXED_PLAN` when left out,
+        ``data`` filling 8 devices."""
+        pipe = self.pipe or FIXED_PLAN["pipe"]
+        return pipe, self.data or max(1, 8 // pipe)
+
     def num_devices_wanted(self) -> int:
         """Devices an explicit plan needs (8 when the planner decides)."""
-        if self.pipe is None and self.data is None:
-            return FIXED_PLAN["pipe"] * FIXED_PLAN["data"]
-        pipe = self.pipe or FIXED_PLAN["pipe"]
-        return pipe * (self.data or max(1, 8 // pipe))
+        pipe, data = self.given_mesh
+        return pipe * data
 
     def check(self) -> None:
         """Raises ``ValueError`` naming the first bad option."""
@@ -110,8 +115,7 @@ class TrainConfig:
 
             get_schedule(self.schedule)  # unknown names raise, listing the known ones
         if self.plan_given:
-            pipe = self.pipe or FIXED_PLAN["pipe"]
-            per = (self.data or max(1, 8 // pipe)) * (self.microbatches or FIXED_PLAN["microbatches"])
+            per = self.given_mesh[1] * (self.microbatches or FIXED_PLAN["microbatches"])
             if self.batch_size % per:
                 raise ValueError(f"--batch-size {self.batch_size} must be a multiple of data x microbatches "
                                  f"= {per}")
@@ -205,8 +209,7 @@ def mesh_shape(config: TrainConfig, resume: bool = False) -> tuple[int, int] | N
     if not config.plan_given:
         rec = _saved_plan(config.out) if resume else None
         return (rec["pipe"], rec["data"]) if rec else None
-    pipe = config.pipe or FIXED_PLAN["pipe"]
-    return pipe, config.data or max(1, 8 // pipe)
+    return config.given_mesh
 
 
 def _shared_run_dir() -> str:
@@ -246,8 +249,7 @@ def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) ->
         chosen = dataclasses.replace(choice.plan, remat=choice.plan.remat or config.remat,
                                      fuse_ticks=choice.plan.fuse_ticks or config.fuse_ticks)
         return chosen, "planner", choice.table(10)
-    pipe = config.pipe or FIXED_PLAN["pipe"]
-    data = config.data or max(1, 8 // pipe)
+    pipe, data = config.given_mesh
     plan = jpipe.Plan(pipe=pipe, data=data, microbatches=config.microbatches or FIXED_PLAN["microbatches"],
                       schedule=config.schedule or FIXED_PLAN["schedule"], remat=config.remat,
                       virtual_stages=config.virtual_stages, fuse_ticks=config.fuse_ticks)
