@@ -395,7 +395,8 @@ def worker(argv: list[str], local: bool) -> None:
                      "median_ms": statistics.median(run["times"]) * 1e3, "standard_error_ms": error_ms,
                      "error": cand.step_time / measured - 1, "in_turns_error": in_turns_cand.step_time / measured - 1,
                      "compile_s": run["compile_s"], "spread_ms": [1e3 * min(run["times"]), 1e3 * max(run["times"])],
-                     "faults_per_step": run["faults"] / len(run["times"])})
+                     "faults_per_step": run["faults"] / len(run["times"]),
+                     "round_means_ms": [1e3 * t for t in run["round_means"]]})
     del runs
 
     # 5. report
@@ -420,7 +421,7 @@ def worker(argv: list[str], local: bool) -> None:
         errors of the difference)."""
         hit = pick is fastest
         say(f"  choice {name(pick)} measured {pick['measured_ms']:.2f} ms -> the fastest: {'yes' if hit else 'NO'}")
-        tie = False
+        tie, paired_tie = False, False
         if not hit:
             # two means that differ by less than twice their combined standard error are not told apart
             gap = pick["measured_ms"] - fastest["measured_ms"]
@@ -429,7 +430,16 @@ def worker(argv: list[str], local: bool) -> None:
             say(f"  {gap:.2f} ms ({gap / fastest['measured_ms']:.1%}) slower than the fastest; two standard errors "
                 f"of the difference: {2 * noise:.2f} ms -> "
                 + ("a tie within this measurement's noise" if tie else "significantly slower"))
-        return {"chosen": name(pick), "chosen_is_fastest": hit, "chosen_ties_fastest_within_noise": tie}
+            # the plans ran in turns, so a round's load hits both alike: the rounds' differences cancel it
+            gaps = [a - b for a, b in zip(pick["round_means_ms"], fastest["round_means_ms"])]
+            if len(gaps) > 1:
+                paired = statistics.stdev(gaps) / len(gaps) ** 0.5
+                paired_tie = statistics.mean(gaps) <= 2 * paired
+                say(f"  paired by round: {statistics.mean(gaps):.2f} ms slower ({sum(g > 0 for g in gaps)}/{len(gaps)} "
+                    f"rounds slower), two standard errors {2 * paired:.2f} ms -> "
+                    + ("a tie" if paired_tie else "significantly slower"))
+        return {"chosen": name(pick), "chosen_is_fastest": hit, "chosen_ties_fastest_within_noise": tie,
+                "chosen_ties_fastest_paired": hit or paired_tie}
 
     def judged(what: str, key: str, pick) -> dict:
         """How the predictions under ``key`` do: worst error, rank correlation, and :func:`verdict` on ``pick``."""
