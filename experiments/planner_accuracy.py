@@ -36,8 +36,9 @@ local devices instead -- the same code path, unchanged.
 5. Print, for the planner's own prediction (the first profile) and for the prediction from the mean
    of the profiles in turns: predicted vs measured, the relative error, Spearman's rank correlation and
    whether the choice is the fastest measured plan (and, when it is not, whether the gap is within
-   twice the standard error of the difference: a tie this measurement cannot break); the same for
-   the choice after ``partition.refine``.
+   twice the standard error of the difference: a tie this measurement cannot break; also paired by
+   round, the rounds' differences cancelling the load that hits both plans of a round alike); the
+   same for the choice after ``partition.refine``.
 
     python experiments/planner_accuracy.py                 # 2 CPU processes (5-15 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
