@@ -15,7 +15,10 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import nnx
 
 import jpipe
 from jpipe import data, models, schedules
@@ -26,6 +29,39 @@ MAX_CHARS = 1_000_000
 def gpt(layers: int = 8, d_model: int = 64, heads: int = 4, seq_len: int = 64) -> jpipe.Staged:
     """The model zoo's GPT over bytes."""
     return models.gpt(data.VOCAB_SIZE, seq_len, d_model=d_model, num_heads=heads, num_layers=layers)
+
+
+class _Features(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(8, width, rngs=rngs)
+
+    def __call__(self, mb: dict) -> jax.Array:
+        return self.linear(mb["x"])
+
+
+class _MLPBlock(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return h + self.down(jax.nn.gelu(self.up(self.norm(h))))
+
+
+def residual_mlp(num_layers: int, width: int) -> jpipe.Staged:
+    """Pre-norm residual MLP blocks over ``(batch, seq, 8)`` features, a scalar per position, MSE loss:
+    quick to compile, for the experiments that measure the executor's memory and schedules."""
+    return jpipe.Staged(pre=lambda rngs: _Features(width, rngs), layer=lambda rngs: _MLPBlock(width, rngs),
+                        post=lambda rngs: nnx.Linear(width, 1, rngs=rngs), num_layers=num_layers,
+                        loss=lambda out, mb: jnp.mean((out[..., 0] - mb["y"]) ** 2))
+
+
+def regression_batch(size: int, seq_len: int) -> dict:
+    """``size`` random rows for :func:`residual_mlp` (the same for every call)."""
+    rng = np.random.default_rng(0)
+    return {"x": rng.normal(size=(size, seq_len, 8)).astype(np.float32),
+            "y": rng.normal(size=(size, seq_len)).astype(np.float32)}
 
 
 def batches(batch_size: int, seq_len: int = 64, seed: int = 0, count: int = 16) -> list[dict]:

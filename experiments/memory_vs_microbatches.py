@@ -15,43 +15,20 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
+from _bench import regression_batch, residual_mlp
 
 import jpipe
 
 WIDTH, SEQ = 128, 32
 
 
-class Embed(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.linear = nnx.Linear(8, WIDTH, rngs=rngs)
-
-    def __call__(self, mb: dict) -> jax.Array:
-        return self.linear(mb["x"])
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.up = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
-        self.down = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
-
-    def __call__(self, h: jax.Array) -> jax.Array:
-        return h + self.down(jax.nn.gelu(self.up(self.norm(h))))
-
-
 def model(num_layers: int) -> jpipe.Staged:
-    return jpipe.Staged(pre=Embed, layer=Block, post=lambda rngs: nnx.Linear(WIDTH, 1, rngs=rngs),
-                        num_layers=num_layers, loss=lambda out, mb: jnp.mean((out[..., 0] - mb["y"]) ** 2))
+    return residual_mlp(num_layers, WIDTH)
 
 
 def batch(size: int) -> dict:
-    rng = np.random.default_rng(0)
-    return {"x": rng.normal(size=(size, SEQ, 8)).astype(np.float32),
-            "y": rng.normal(size=(size, SEQ)).astype(np.float32)}
+    return regression_batch(size, SEQ)
 
 
 def measure(schedule: str, microbatches: int, *, pipe: int, data: int, microbatch_size: int,
