@@ -419,7 +419,7 @@ def worker(argv: list[str], local: bool) -> None:
 
     def verdict(pick) -> dict:
         """Whether ``pick`` is the fastest measured plan (or, when it is not, a tie within two standard
-        errors of the difference)."""
+        errors of the difference: of the two means, and of the rounds' paired differences)."""
         hit = pick is fastest
         say(f"  choice {name(pick)} measured {pick['measured_ms']:.2f} ms -> the fastest: {'yes' if hit else 'NO'}")
         tie, paired_tie = False, False
@@ -440,7 +440,7 @@ def worker(argv: list[str], local: bool) -> None:
                     f"rounds slower), two standard errors {2 * paired:.2f} ms -> "
                     + ("a tie" if paired_tie else "significantly slower"))
         return {"chosen": name(pick), "chosen_is_fastest": hit, "chosen_ties_fastest_within_noise": tie,
-                "chosen_ties_fastest_paired": hit or paired_tie}
+                "chosen_ties_fastest_paired": paired_tie}
 
     def judged(what: str, key: str, pick) -> dict:
         """How the predictions under ``key`` do: worst error, rank correlation, and :func:`verdict` on ``pick``."""
