@@ -9,7 +9,15 @@ from jpipe import averaging, schedules
 from jpipe._mesh import make_mesh
 from jpipe._model import Staged
 from jpipe._plan import Plan
-from jpipe._train import NonFiniteError, TrainState, compiled_memory, init, to_sequential, train_step
+from jpipe._train import (
+    NonFiniteError,
+    TrainState,
+    compiled_memory,
+    init,
+    sequential_layers,
+    to_sequential,
+    train_step,
+)
 from jpipe.averaging import ElasticAveraging
 from jpipe.partition import plan
 
@@ -27,6 +35,7 @@ __all__ = [
     "make_mesh",
     "plan",
     "schedules",
+    "sequential_layers",
     "to_sequential",
     "train_step",
 ]

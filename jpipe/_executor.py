@@ -19,8 +19,14 @@ enough to be re-mapped by the allocator on every step).
 
 Buffers hold exactly the table's liveness: ``in`` (stage inputs, arrival to
 backward), ``res`` (forward residuals, forward to backward) and ``cot``
-(cotangents, arrival to backward). Weight gradients accumulate in the carry;
-one mean over ``data`` per step.
+(cotangents, arrival to backward). Weight gradients accumulate in the carry
+in float32, whatever the parameter dtype, and are cast once at the end.
+
+Where the state is sharded (``Plan.shard``, see :mod:`jpipe._sharding`) the
+step first all-gathers what it needs whole -- ``pre`` and ``post`` from the
+whole mesh, stage parameters from ``data`` -- and at the end reduce-scatters
+each gradient to where its optimizer state lives, instead of all-reducing it:
+one collective per dtype and mesh-axis group, not one per parameter.
 
 With ``replicas_over_data`` (co-located pipelines, :mod:`jpipe.averaging`) the
 ``data`` axis splits the ensemble's *replica* axis instead of the batch: every
@@ -52,6 +58,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jpipe._mesh import DATA, PIPE
+from jpipe import _sharding
 from jpipe._model import Params, PyTree, Staged
 from jpipe.schedules import BACKWARD, FIELDS, FORWARD, IDLE, WEIGHT, Table
 
@@ -92,6 +99,14 @@ class Layout(NamedTuple):
             return out.at[d, c, j].set(a)
 
         return jax.tree.map(place, layers)
+
+    def slots(self) -> np.ndarray:
+        """``int[devices, chunks, max_layers]``: the sequential index of the layer in each slot, -1 where
+        a shorter chunk is padded."""
+        out = np.full((self.num_devices, self.num_chunks, self.max_layers), -1, np.int64)
+        for layer, (d, c, j) in enumerate(self.positions()):
+            out[d, c, j] = layer
+        return out
 
     def from_stages(self, stages: PyTree) -> PyTree:
         """Inverse of :meth:`to_stages`: padded stage stacks -> ``[L, ...]``."""
@@ -155,6 +170,7 @@ class Executor:
     mesh: Mesh
     remat: bool
     replicas_over_data: bool = False  # co-located pipelines: `data` splits the replica axis, not B
+    shard: str | None = None  # Plan.shard: what of the state is split beyond stages over `pipe`
 
     def stage_forward(self, count: jax.Array | None) -> Callable[[PyTree, jax.Array], jax.Array]:
         """``f(chunk_params [max_layers, ...], x) -> y``: the layers of one chunk."""
@@ -172,10 +188,16 @@ class Executor:
 
         return f
 
-    def build(self, example_microbatch: PyTree, pre_params: Params) -> Callable:
+    def build(self, example_microbatch: PyTree, params: Params) -> Callable:
+        """The step's gradients as one shard_map'ed function; ``params`` are the pipelined parameters
+        (arrays or shape structs, global shapes)."""
         table, layout, model = self.table, self.layout, self.model
         num_dev, num_chunks, M = table.num_devices, table.num_chunks, table.num_microbatches
         over_data = self.replicas_over_data
+        data = self.mesh.shape[DATA]
+        param_specs = _sharding.param_specs(params, self.mesh, self.shard, over_data)
+        grad_specs = _sharding.grad_specs(params, self.mesh, self.shard, over_data)
+        pre_params = params["pre"]
         if over_data:  # shapes as one data device sees them: its share of the replica axis
             pre_params = _local_replicas(pre_params, 0, self.mesh.shape[DATA])
             example_microbatch = _local_replicas(example_microbatch, 1, self.mesh.shape[DATA])
@@ -193,6 +215,8 @@ class Executor:
         remat = self.remat
 
         def body(params: Params, batch: PyTree):
+            if not over_data:  # whole copies for the step (temp bytes), of what is stored split
+                params = _gather(params, param_specs, self.mesh)
             stages = jax.tree.map(lambda a: a[0], params["stages"])  # [chunks, max_layers, ...]
             pre_p, post_p = params["pre"], params["post"]
             microbatches = jax.tree.map(lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:]), batch)
@@ -211,9 +235,9 @@ class Executor:
                 inputs=_unwritten((depths[0] + 1, *hidden.shape), hidden.dtype),
                 residuals=[_unwritten((depths[1], *r.shape), r.dtype) for r in res_shapes],
                 cotangents=_unwritten((depths[2] + 1, *hidden.shape), hidden.dtype),
-                grad_stages=_zeros_like_tree(stages),
-                grad_pre=_zeros_like_tree(pre_p),
-                grad_post=_zeros_like_tree(post_p),
+                grad_stages=_f32_zeros_like(stages),
+                grad_pre=_f32_zeros_like(pre_p),
+                grad_post=_f32_zeros_like(post_p),
                 loss=jnp.zeros((), jnp.float32),
             )
 
@@ -358,29 +382,100 @@ class Executor:
                 # The loss (mean over all replicas) stays one all-reduce over the whole mesh: an
                 # all-reduce over `data` groups alone could be combined by XLA with the elastic
                 # centre's, which would then wait for the pipeline.
-                loss = lax.psum(carry.loss, (PIPE, DATA)) * scale / self.mesh.shape[DATA]
+                loss = lax.psum(carry.loss, (PIPE, DATA)) * scale / data
                 io = _reduce_at_once({"pre": carry.grad_pre, "post": carry.grad_post},
                                      lambda v: lax.psum(v, PIPE) * scale)
                 grads = {"pre": io["pre"], "stages": jax.tree.map(lambda g: (g * scale)[None], carry.grad_stages),
                          "post": io["post"]}
-                return loss, grads
-            # One collective per axis, not one per parameter: pre/post gradients and the loss are
-            # summed over `pipe`, then everything is averaged over `data` in a single all-reduce.
-            io = _reduce_at_once({"pre": carry.grad_pre, "post": carry.grad_post, "loss": carry.loss},
-                                 lambda v: lax.psum(v, PIPE))
-            total = _reduce_at_once({"io": io, "stages": carry.grad_stages}, lambda v: lax.pmean(v * scale, DATA))
-            grads = {"pre": total["io"]["pre"], "stages": jax.tree.map(lambda g: g[None], total["stages"]),
-                     "post": total["io"]["post"]}
-            return total["io"]["loss"], grads
+            else:
+                # pre/post gradients are summed over the whole mesh (only the first/last stage has
+                # them), stage gradients over `data`; each goes where its optimizer state lives.
+                sums = {"pre": carry.grad_pre, "stages": jax.tree.map(lambda g: g[None], carry.grad_stages),
+                        "post": carry.grad_post, "loss": carry.loss}
+                specs = {**grad_specs, "loss": P()}
+                axes = {"pre": (PIPE, DATA), "stages": (DATA,), "post": (PIPE, DATA), "loss": (PIPE, DATA)}
+                total = _reduce(sums, specs, {k: jax.tree.map(lambda _, a=a: a, sums[k]) for k, a in axes.items()},
+                                self.mesh, scale / data)
+                loss, grads = total.pop("loss"), total
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            return loss, grads
 
-        param_specs = _param_specs(over_data)
         return jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(param_specs, batch_spec(over_data)),
-            out_specs=(P(), param_specs),
+            out_specs=(P(), grad_specs),
             check_vma=False,
         )
+
+
+def _f32_zeros_like(tree: PyTree) -> PyTree:
+    """Gradient accumulators: float32 for floating-point parameters, whatever their dtype."""
+    def zeros(a):
+        dtype = jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize <= 4 else a.dtype
+        return jnp.zeros(a.shape, dtype)
+
+    return jax.tree.map(zeros, tree)
+
+
+def _mesh_size(mesh: Mesh, names: Any) -> int:
+    names = names if isinstance(names, tuple) else (names,)
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def _gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    """Inside shard_map: every leaf whole again along its split axis (``pipe`` on axis 0 of a stage
+    leaf aside), through one ``all_gather`` per dtype and mesh-axis group."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [_sharding.split_axis(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))]
+    out = list(leaves)
+    groups: dict = {}
+    for i, (leaf, (axis, names)) in enumerate(zip(leaves, split, strict=True)):
+        if axis is not None:
+            groups.setdefault((jnp.result_type(leaf), names), []).append(i)
+    for (_, names), indices in groups.items():
+        n = _mesh_size(mesh, names)
+        moved = [jnp.moveaxis(leaves[i], split[i][0], 0) for i in indices]
+        flat = lax.all_gather(jnp.concatenate([m.reshape(-1) for m in moved]), names, axis=0, tiled=False)
+        start = 0
+        for i, m in zip(indices, moved):
+            whole = flat[:, start:start + m.size].reshape(n * m.shape[0], *m.shape[1:])
+            out[i] = jnp.moveaxis(whole, 0, split[i][0])
+            start += m.size
+    return jax.tree.unflatten(treedef, out)
+
+
+def _reduce(tree: PyTree, specs: PyTree, axes: PyTree, mesh: Mesh, scale: float) -> PyTree:
+    """Inside shard_map: ``scale`` x the sum of every leaf over its mesh ``axes``, left split as its
+    spec says (a reduce-scatter) or whole (an all-reduce); one collective per dtype and axis group."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [_sharding.split_axis(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))]
+    over = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    out: list = [None] * len(leaves)
+    groups: dict = {}
+    for i, (leaf, (axis, names), ax) in enumerate(zip(leaves, split, over, strict=True)):
+        if axis is not None and (names if isinstance(names, tuple) else (names,)) != ax:
+            raise AssertionError(f"a leaf split over {names} is summed over {ax}")
+        groups.setdefault((jnp.result_type(leaf), ax, axis is not None), []).append(i)
+    for (_, ax, scatter), indices in groups.items():
+        if not scatter:
+            flat = lax.psum(jnp.concatenate([jnp.ravel(leaves[i]) for i in indices]), ax) * scale
+            start = 0
+            for i in indices:
+                size = int(np.prod(jnp.shape(leaves[i]), dtype=int))
+                out[i] = flat[start:start + size].reshape(jnp.shape(leaves[i]))
+                start += size
+            continue
+        n = _mesh_size(mesh, ax)
+        moved = [jnp.moveaxis(leaves[i], split[i][0], 0) for i in indices]
+        rows = [m.reshape(n, -1) for m in moved]
+        flat = lax.psum_scatter(jnp.concatenate(rows, axis=1), ax, scatter_dimension=0, tiled=False) * scale
+        start = 0
+        for i, m, r in zip(indices, moved, rows):
+            part = flat[start:start + r.shape[1]].reshape(m.shape[0] // n, *m.shape[1:])
+            out[i] = jnp.moveaxis(part, 0, split[i][0])
+            start += r.shape[1]
+    return jax.tree.unflatten(treedef, out)
 
 
 def _reduce_at_once(tree: PyTree, reduce: Callable[[jax.Array], jax.Array]) -> PyTree:
@@ -416,25 +511,6 @@ def _local_replicas(tree: PyTree, axis: int, data: int) -> PyTree:
     return jax.tree.map(local, tree)
 
 
-def _param_specs(replicas_over_data: bool) -> dict[str, P]:
-    if replicas_over_data:  # the replica axis: 0 of pre/post, 3 of [devices, chunks, layers, R, ...]
-        return {"pre": P(DATA), "stages": P(PIPE, None, None, DATA), "post": P(DATA)}
-    return {"pre": P(), "stages": P(PIPE), "post": P()}
-
-
 def batch_spec(replicas_over_data: bool = False) -> P:
     """How a global batch is split: over ``data`` on its leading axis, or on its replica axis ``[B, R, ...]``."""
     return P(None, DATA) if replicas_over_data else P(DATA)
-
-
-def param_shardings(mesh: Mesh, params: Params, replicas_over_data: bool = False) -> Any:
-    """NamedShardings for the pipelined parameter layout: stages over ``pipe``, the rest replicated.
-
-    With ``replicas_over_data`` (co-located pipelines) the replica axis of every
-    parameter is also split over ``data``.
-    """
-    from jax.sharding import NamedSharding
-
-    specs = _param_specs(replicas_over_data)
-    return {key: jax.tree.map(lambda _, spec=specs[key]: NamedSharding(mesh, spec), params[key])
-            for key in ("pre", "stages", "post")}

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 
@@ -158,12 +159,40 @@ class Staged:
         return jax.jit(self._init_stacked)(key, example_batch)
 
     def _init_stacked(self, key: jax.Array, example_batch: PyTree) -> Params:
+        return self.init_slots(key, example_batch, np.arange(self.num_layers))
+
+    def init_slots(self, key: jax.Array, example_batch: PyTree, slots: np.ndarray) -> Params:
+        """``{"pre", "layers", "post"}`` with ``layers`` shaped ``[*slots.shape, ...]``: slot ``i`` holds
+        layer ``slots[i]`` of the sequential model, zeros where ``slots[i] < 0``.
+
+        Each layer's key depends only on ``key`` and its index, so the values do not
+        depend on how the layers are laid out: traced under ``jax.jit`` with output
+        shardings, each device computes only the slots it holds.
+
+        >>> import jax, numpy as np
+        >>> from jpipe import models
+        >>> model = models.mlp(in_dim=3, hidden=4, out_dim=1, num_layers=3)
+        >>> batch = {"x": np.ones((2, 3), np.float32), "y": np.zeros((2, 1), np.float32)}
+        >>> both = model.init_slots(jax.random.key(0), batch, np.array([[2, -1], [0, 1]]))
+        >>> seq = model.init_stacked(jax.random.key(0), batch)
+        >>> k = lambda p: p["layers"]["linear"]["kernel"]
+        >>> bool((k(both)[0, 0] == k(seq)[2]).all()), bool((k(both)[0, 1] == 0).all())
+        (True, True)
+        """
         k_pre, k_layers, k_post = jax.random.split(key, 3)
         pre = self._pre.init(k_pre, example_batch)
         hidden = jax.eval_shape(self._pre.apply, pre, example_batch)
         h = jnp.zeros(hidden.shape, hidden.dtype)
-        layer_keys = jax.random.split(k_layers, self.num_layers)
-        layers = jax.vmap(lambda k: self._layer.init(k, h))(layer_keys)
+        slots = np.asarray(slots)
+        rows = slots.reshape(-1, slots.shape[-1])  # the leading axes vectorised, the last one a loop:
+        keys = jax.random.split(k_layers, self.num_layers)[np.maximum(rows, 0)]  # one layer's temporaries
+
+        def one(key_used: tuple[jax.Array, jax.Array]) -> Params:
+            key, used = key_used
+            return jax.tree.map(lambda a: jnp.where(used, a, jnp.zeros((), a.dtype)), self._layer.init(key, h))
+
+        layers = jax.vmap(lambda k, u: jax.lax.map(one, (k, u)))(keys, jnp.asarray(rows >= 0))
+        layers = jax.tree.map(lambda a: a.reshape(*slots.shape, *a.shape[2:]), layers)
         post = self._post.init(k_post, h)
         return {"pre": pre, "layers": layers, "post": post}
 

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 
 from jpipe.schedules import Table, fuse_ticks, get_schedule, validate
 
+SHARD_LEVELS = (None, "optimizer", "parameters")
+DEFAULT_SHARD = "optimizer"
+
 ScheduleSpec = str | Callable[[int, int], Table]
 
 if TYPE_CHECKING:
@@ -32,6 +35,16 @@ class Plan:
     ticks, for up to one more held micro-batch per device; pair it with
     ``schedule="1f1b-b"`` (enough forwards in flight to keep fused ticks full).
 
+    ``shard`` says what of the training state is split beyond the stages over
+    ``pipe`` (ZeRO's levels; see :mod:`jpipe._sharding`): ``"optimizer"`` (the
+    default for one pipeline) splits the optimizer state and ``pre``/``post``
+    over the whole mesh and reduce-scatters gradients; ``"parameters"`` also
+    splits the stage parameters over ``data`` and gathers them for the step;
+    ``None`` replicates ``pre``/``post`` on every device and each stage's
+    optimizer state on every ``data`` replica. Co-located pipelines already
+    hold one replica per ``data`` device: they take ``None`` (the default
+    for ``pipelines`` > 1, and what ``jpipe.averaging.init`` sets).
+
     ``pipelines`` > 1 co-locates that many pipelines on each data replica's
     devices (``pipelines x data`` in all, each on its own batch slice), coupled
     only by elastic ``averaging`` (AvgPipe; see :mod:`jpipe.averaging`); their
@@ -54,6 +67,7 @@ class Plan:
     pipelines: int = 1
     averaging: ElasticAveraging | None = None
     fuse_ticks: bool = False
+    shard: str | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("pipe", "data", "microbatches", "virtual_stages", "pipelines"):
@@ -70,6 +84,14 @@ class Plan:
                 f"Table, got {self.schedule!r}")
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(int(n) for n in self.partition))
+        if self.shard == "auto":
+            object.__setattr__(self, "shard", None if self.pipelines > 1 else DEFAULT_SHARD)
+        if self.shard not in SHARD_LEVELS:
+            raise ValueError(f"Plan.shard must be one of {list(SHARD_LEVELS)}, got {self.shard!r}")
+        if self.shard is not None and self.pipelines > 1:
+            raise ValueError(
+                f"Plan.shard={self.shard!r} with pipelines={self.pipelines}: co-located pipelines keep "
+                f"each replica's state on its own data device already; use shard=None")
         if not isinstance(self.fuse_ticks, bool):
             raise ValueError(f"Plan.fuse_ticks must be True or False, got {self.fuse_ticks!r}")
 

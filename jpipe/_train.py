@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -14,9 +14,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._executor import Executor, Layout, batch_spec, param_shardings
-from jpipe._mesh import DATA, PIPE, make_mesh
-from jpipe._model import Params, PyTree, Staged, stack_layers, unstack_layers
+from jpipe import _sharding
+from jpipe._executor import Executor, Layout, batch_spec
+from jpipe._mesh import PIPE, make_mesh
+from jpipe._model import Params, PyTree, Staged, stack_layers
 from jpipe._plan import Plan
 
 
@@ -33,6 +34,7 @@ class Program:
     batch_spec: PyTree  # ShapeDtypeStructs of the global batch
     grads: Any  # (params, batch) -> (loss, grads), a shard_map'ed function
     nan_policy: str = "raise"  # what train_step does on a non-finite loss: see NAN_POLICIES
+    shardings: Any = None  # (params, opt_state) NamedShardings: where train_step leaves the state
 
 
 NAN_POLICIES = ("raise", "skip", "ignore")
@@ -195,60 +197,107 @@ def init(
 
         return averaging.init(model, plan, optimizer, example_batch, rng=rng, params=params,
                               devices=devices, nan_policy=nan_policy)
+    state = abstract_state(model, plan, optimizer, example_batch, devices=devices, nan_policy=nan_policy)
+    program = state.program
+    shardings, opt_shardings = program.shardings
+    microbatch = _microbatch(example_batch, plan)
+    if params is None:
+        pipelined = jax.jit(functools.partial(_init_pipelined, model, program.layout),
+                            out_shardings=shardings)(rng, microbatch)
+    else:
+        _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), microbatch))
+        pipelined = place_params(params, program.layout, shardings)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(pipelined)
+    return _with_arrays(state, pipelined, opt_state)
+
+
+def abstract_state(model: Staged, plan: Plan, optimizer: optax.GradientTransformation, example_batch: PyTree,
+                   *, devices: Sequence[jax.Device] | None = None, nan_policy: str = "raise") -> TrainState:
+    """The :class:`TrainState` that :func:`init` would build, with shape structs (carrying their
+    shardings) for parameters and optimizer state: its program is built, nothing is allocated.
+    Checkpoints restore into it."""
     partition = plan.stage_partition(model.num_layers)
     table = plan.table()
     mesh = make_mesh(plan.pipe, plan.data, devices)
     _check_batch(example_batch, plan, "example_batch")
     microbatch = _microbatch(example_batch, plan)
     layout = Layout.from_partition(partition, plan.pipe)
+    params = jax.eval_shape(functools.partial(_init_pipelined, model, layout), jax.random.key(0), microbatch)
+    shardings = _sharding.param_shardings(params, mesh, plan.shard)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_shardings = _sharding.opt_shardings(optimizer, params, mesh, plan.shard)
 
-    expected = jax.eval_shape(model.init_params, jax.random.key(0), microbatch)
-    if params is None:
-        params = model.init_stacked(rng, microbatch)
-    else:
-        _check_params(params, expected)
-    pipelined = _to_pipelined(params, layout)
-    shardings = param_shardings(mesh, pipelined)
-    # train_step donates the state: never let it alias the caller's arrays.
-    pipelined = jax.device_put(jax.tree.map(jnp.copy, pipelined), shardings)
-    opt_state = jax.jit(optimizer.init, out_shardings=_opt_shardings(optimizer, pipelined, mesh))(pipelined)
+    def placed(tree: PyTree, where: PyTree) -> PyTree:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, where)
 
-    return _new_state(model, plan, optimizer, table, layout, mesh, pipelined, opt_state, example_batch,
-                      microbatch, nan_policy)
+    return _new_state(model, plan, optimizer, table, layout, mesh, placed(params, shardings),
+                      placed(opt_state, opt_shardings), example_batch, microbatch, nan_policy,
+                      shardings=(shardings, opt_shardings))
+
+
+def _with_arrays(state: TrainState, params: Params, opt_state: PyTree) -> TrainState:
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(state.mesh, P()))  # as train_step returns it
+    skipped = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(state.mesh, P()))
+    return state.replace(step=step, params=params, opt_state=opt_state, skipped_steps=skipped)
+
+
+def _init_pipelined(model: Staged, layout: Layout, key: jax.Array, microbatch: PyTree) -> Params:
+    """Fresh parameters in the pipelined layout; under jit with output shardings each device computes
+    only what it holds, and the values are those of ``model.init_params(key, ...)`` on every plan."""
+    p = model.init_slots(key, microbatch, layout.slots())
+    return {"pre": p["pre"], "stages": p["layers"], "post": p["post"]}
+
+
+def place_params(params: Params, layout: Layout, shardings: PyTree) -> Params:
+    """Sequential parameters (host or device arrays) -> the pipelined layout, built shard by shard.
+
+    Each device receives only the slice it holds, read from the given arrays
+    (``np.asarray`` of each), so the whole model is never on one device. The
+    result never aliases the given arrays (``train_step`` donates the state).
+    """
+    host: dict = {}
+
+    def array(leaf: Any) -> np.ndarray:
+        if id(leaf) not in host:
+            host[id(leaf)] = (leaf, np.asarray(leaf))  # keep `leaf` alive: ids are reused
+        return host[id(leaf)][1]
+
+    def edge(leaf: Any, sharding: NamedSharding) -> jax.Array:
+        shape = np.shape(leaf)
+        return jax.make_array_from_callback(shape, sharding, lambda index: np.array(array(leaf)[index]))
+
+    slots = layout.slots()
+
+    def stage(sharding: NamedSharding, *layers: Any) -> jax.Array:
+        inner = np.shape(layers[0])
+        dtype = np.result_type(array(layers[0]))
+
+        def shard(index: tuple) -> np.ndarray:
+            index = tuple(index) + (slice(None),) * (3 + len(inner) - len(index))
+            rows = slots[index[:3]]
+            out = np.zeros((*rows.shape, *np.empty(inner)[index[3:]].shape), dtype)
+            for pos, layer in np.ndenumerate(rows):
+                if layer >= 0:
+                    out[pos] = array(layers[layer])[index[3:]]
+            return out
+
+        return jax.make_array_from_callback((*slots.shape, *inner), sharding, shard)
+
+    return {"pre": jax.tree.map(edge, params["pre"], shardings["pre"]),
+            "stages": jax.tree.map(stage, shardings["stages"], *params["layers"]),
+            "post": jax.tree.map(edge, params["post"], shardings["post"])}
 
 
 def _new_state(model: Staged, plan: Plan, optimizer, table, layout: Layout, mesh: Mesh, pipelined: Params,
                opt_state, example_batch: PyTree, microbatch: PyTree, nan_policy: str,
-               replicas_over_data: bool = False) -> TrainState:
+               replicas_over_data: bool = False, shardings: Any = None) -> TrainState:
     """The step-0 :class:`TrainState` around placed parameters and optimizer state: builds the program."""
-    executor = Executor(model, table, layout, mesh, plan.remat, replicas_over_data=replicas_over_data)
+    executor = Executor(model, table, layout, mesh, plan.remat, replicas_over_data=replicas_over_data,
+                        shard=plan.shard)
     batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
     program = Program(model, plan, optimizer, mesh, layout, executor, batch_spec,
-                      executor.build(microbatch, pipelined["pre"]), nan_policy)
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))  # as train_step returns it
-    skipped = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-    return TrainState(step, pipelined, opt_state, program, skipped)
-
-
-def _opt_shardings(optimizer, params, mesh: Mesh, replicas_over_data: bool = False):
-    """Optimizer-state leaves shaped like a parameter are sharded like it; the rest replicated."""
-    abstract = jax.eval_shape(optimizer.init, params)
-    stage_shapes = {p.shape for p in jax.tree.leaves(params["stages"])}
-    if replicas_over_data:  # like param_shardings: the replica axis is split over `data` too
-        edge_shapes = {p.shape for p in jax.tree.leaves((params["pre"], params["post"]))}
-
-        def pick(leaf):
-            if leaf.shape in stage_shapes:
-                return NamedSharding(mesh, P(PIPE, None, None, DATA))
-            return NamedSharding(mesh, P(DATA) if leaf.shape in edge_shapes else P())
-
-        return jax.tree.map(pick, abstract)
-
-    def pick(leaf):
-        spec = P(PIPE) if leaf.shape in stage_shapes else P()
-        return NamedSharding(mesh, spec)
-
-    return jax.tree.map(pick, abstract)
+                      executor.build(microbatch, pipelined), nan_policy, shardings)
+    return _with_arrays(TrainState(None, pipelined, opt_state, program, None), pipelined, opt_state)
 
 
 def _check_step_batch(state: TrainState, batch: PyTree) -> None:
@@ -292,7 +341,7 @@ def _train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str,
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         skipped = (jnp.zeros((), jnp.int32) if skipped is None else skipped) + (~finite).astype(jnp.int32)
         metrics.update(finite=finite, skipped_steps=skipped)
-    params = jax.lax.with_sharding_constraint(params, param_shardings(program.mesh, params, over_data))
+    params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), program.shardings)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped)
     return new, metrics
 
@@ -358,18 +407,95 @@ train_step.__doc__ = _TrainStep.__call__.__doc__
 def to_sequential(state: TrainState) -> Params:
     """The parameters in sequential layout: ``{"pre": ..., "layers": [L dicts], "post": ...}``.
 
-    Gathered to host-addressable arrays; use them with ``model.loss_value`` on
-    one device, to export, or as ``jpipe.init(..., params=...)``. For co-located
-    pipelines (``Plan(pipelines=N)``) this is the centre model.
+    New arrays (they never alias the state, which the next ``train_step``
+    donates) on the state's mesh, every leaf split over all its devices where
+    one of its axes divides (so the whole model is never on one device). Use
+    them with ``model.loss_value``, as ``jpipe.init(..., params=...)``, or
+    fetch them with ``jax.device_get``; for models larger than a host's memory
+    read one layer at a time with :func:`sequential_layers`. Any tree shaped
+    like ``state.params`` converts too: ``to_sequential(state.replace(params=grads))``.
+    For co-located pipelines (``Plan(pipelines=N)``) this is the centre model.
     """
     if state.plan.pipelines > 1 or state.plan.averaging is not None:
         from jpipe import averaging
 
         return averaging.centre(state)
-    layout = state.program.layout
-    params = state.params
-    layers = layout.from_stages(params["stages"])
-    return unstack_layers({"pre": params["pre"], "layers": layers, "post": params["post"]})
+    return _sequential_converter(state.program)(state.params)
+
+
+def sequential_layers(state: TrainState) -> Iterator[tuple[str | int, Params]]:
+    """The sequential parameters one part at a time, as host NumPy arrays, for exporting models that
+    fit on no single device: yields ``("pre", tree)``, then ``(i, layer_i)`` for every layer in order,
+    then ``("post", tree)``. Only one part is gathered at a time; every process gets every part.
+
+    >>> import jax, jax.numpy as jnp, optax, jpipe
+    >>> from jpipe import models
+    >>> model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=4)
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
+    >>> state = jpipe.init(model, jpipe.Plan(2, 2, 2), optax.adam(1e-3), batch, rng=jax.random.key(0),
+    ...                    devices=jax.devices()[:4])
+    >>> [name for name, _ in jpipe.sequential_layers(state)]
+    ['pre', 0, 1, 2, 3, 'post']
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"sequential_layers takes a jpipe.TrainState, got {type(state).__name__}")
+    whole = _replicated(state.mesh)
+    if state.plan.pipelines > 1 or state.plan.averaging is not None:
+        seq = to_sequential(state)  # the centre
+        parts = [("pre", seq["pre"]), *enumerate(seq["layers"]), ("post", seq["post"])]
+        for name, part in parts:
+            yield name, jax.tree.map(np.asarray, whole(part))
+        return
+    yield "pre", jax.tree.map(np.asarray, whole(state.params["pre"]))
+    take = _layer_taker(state.program)
+    for i, (d, c, j) in enumerate(state.program.layout.positions()):
+        yield i, jax.tree.map(np.asarray, take(state.params["stages"], d, c, j))
+    yield "post", jax.tree.map(np.asarray, whole(state.params["post"]))
+
+
+@functools.cache
+def _replicated(mesh: Mesh) -> Any:
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
+
+
+@functools.cache
+def _layer_taker(program: Program) -> Any:
+    """``take(stages, d, c, j)``: one layer, replicated; only that layer moves between devices."""
+    specs = jax.tree.map(lambda s: s.spec, program.shardings[0]["stages"])
+
+    def body(stages: PyTree, d: jax.Array, c: jax.Array, j: jax.Array) -> PyTree:
+        def one(a: jax.Array, spec: P) -> jax.Array:
+            mine = jnp.where(jax.lax.axis_index(PIPE) == d, a[0, c, j], jnp.zeros((), a.dtype))
+            layer = jax.lax.psum(mine, PIPE)
+            axis, names = _sharding.split_axis(spec)
+            if axis is not None:  # a stage leaf split over `data` too
+                layer = jax.lax.all_gather(layer, names, axis=axis - _sharding.STAGE_HEAD, tiled=True)
+            return layer
+
+        return jax.tree.map(one, stages, specs)
+
+    return jax.jit(jax.shard_map(body, mesh=program.mesh, in_specs=(specs, P(), P(), P()), out_specs=P(),
+                                 check_vma=False))
+
+
+@functools.cache
+def _sequential_converter(program: Program) -> Any:
+    layout, mesh = program.layout, program.mesh
+    positions = layout.positions()
+
+    def convert(params: Params) -> Params:
+        stages = params["stages"]
+        return {"pre": params["pre"], "layers": [jax.tree.map(lambda a, p=p: a[p], stages) for p in positions],
+                "post": params["post"]}
+
+    def spread(leaf: Any) -> NamedSharding:
+        return NamedSharding(mesh, _sharding.edge_spec(leaf.shape, mesh.size))
+
+    def run(params: Params) -> Params:
+        out = jax.eval_shape(convert, params)
+        return jax.jit(convert, out_shardings=jax.tree.map(spread, out))(params)
+
+    return run
 
 
 def compiled_memory(state: TrainState, batch: PyTree) -> dict[str, int]:

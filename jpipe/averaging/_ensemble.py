@@ -41,7 +41,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._executor import Layout, param_shardings
+from jpipe import _sharding
+from jpipe._executor import Layout
 from jpipe._mesh import make_mesh
 from jpipe._model import Component, Params, PyTree, Staged, unstack_layers
 from jpipe._plan import Plan
@@ -51,7 +52,6 @@ from jpipe._train import (
     _check_batch,
     _check_params,
     _new_state,
-    _opt_shardings,
     _to_pipelined,
 )
 from jpipe.averaging._elastic import ElasticAveraging, ElasticState, per_replica
@@ -231,7 +231,7 @@ def init(
         raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
-    plan = dataclasses.replace(plan, pipelines=pipelines, averaging=averaging)
+    plan = dataclasses.replace(plan, pipelines=pipelines, averaging=averaging, shard=None)
     total = pipelines * plan.data  # every pipeline of every data replica
     ens = ensemble(model, pipelines)  # what one data device runs: its N pipelines
     _check_ensemble_batch(example_batch, total, "example_batch", plan)
@@ -248,18 +248,19 @@ def init(
     mesh = make_mesh(plan.pipe, plan.data, devices)
     layout = Layout.from_partition(partition, plan.pipe)
     pipelined = _to_pipelined(_replicate(params, total), layout)
-    pipelined = jax.device_put(pipelined, param_shardings(mesh, pipelined, replicas_over_data=True))
+    param_shardings = _sharding.param_shardings(pipelined, mesh, None, replicas=True)
+    pipelined = jax.device_put(pipelined, param_shardings)
     inner = per_replica(optimizer, REPLICA_AXIS)
     full = optax.chain(inner, averaging.transform(total, replica_axis=REPLICA_AXIS))
     # Each replica's optimizer state lives with the replica; the centre is replicated over the
     # whole mesh, its stage stacks over `pipe` (where the replicas' stage stacks are).
     centre_shape = jax.eval_shape(full.init, pipelined)[1].centre
-    shardings = (_opt_shardings(inner, pipelined, mesh, replicas_over_data=True),
-                 ElasticState(NamedSharding(mesh, P()), param_shardings(mesh, centre_shape)))
+    shardings = (_sharding.opt_shardings(inner, pipelined, mesh, None, replicas=True, mirrors=optimizer),
+                 ElasticState(NamedSharding(mesh, P()), _sharding.param_shardings(centre_shape, mesh, None)))
     opt_state = jax.jit(full.init, out_shardings=shardings)(pipelined)
 
     return _new_state(ens, plan, full, table, layout, mesh, pipelined, opt_state, example_batch, microbatch,
-                      nan_policy, replicas_over_data=True)
+                      nan_policy, replicas_over_data=True, shardings=(param_shardings, shardings))
 
 
 def _elastic_state(state: TrainState) -> ElasticState:
