@@ -1,12 +1,16 @@
-"""Checkpoints with orbax-checkpoint, in a layout that does not depend on the mesh.
+"""Sharded checkpoints with orbax-checkpoint, in a layout that does not depend on the mesh.
 
 A :class:`Checkpointer` saves every ``every`` steps (asynchronously: training
 goes on while orbax writes), keeps the last ``keep`` and restores onto any
-plan. Parameters are stored in the sequential layout of :func:`jpipe.to_sequential`
-(layers stacked ``[L, ...]``) and so are the optimizer-state leaves that mirror
-the stage stacks; restoring goes through ``jpipe.init(..., params=...)`` and
-lays the optimizer state out for the new plan, so a run saved with pipe=4,
-data=2 resumes with pipe=2, data=4, or any other partition.
+plan. Nothing is gathered: every array is saved as it is sharded, and each
+process writes only its own shards. Each layer of a stage stack (parameters
+and the optimizer-state leaves that mirror them) is its own array,
+``params['layers'][i]...`` -- a view of the devices of the stage that holds it
+-- so the checkpoint is the sequential model whatever the plan. Restoring onto
+a plan reads every layer straight onto the devices of its new stage, split as
+the new plan splits it, and stacks it there: a run saved with pipe=4, data=2
+resumes with pipe=2, data=4, or any other partition or ``Plan.shard`` level,
+bit for bit, and no device ever holds more than its own share.
 
 Orbax writes each checkpoint to a temporary directory and renames it when
 complete, so a write cut short (a killed process) is never listed; on top, a
@@ -39,25 +43,25 @@ function of ``state.step``, or pass it in ``extra``).
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._executor import param_shardings
-from jpipe._model import PyTree, Staged, unstack_layers
+from jpipe._mesh import PIPE
+from jpipe._model import PyTree, Staged
 from jpipe._plan import Plan
-from jpipe._train import TrainState, _check_batch, _microbatch, init
+from jpipe._train import TrainState, _check_batch, _microbatch, abstract_state, init
 
-FORMAT = "jpipe-checkpoint-1"
-_ARRAYS, _META = "arrays", "meta"
+FORMAT = "jpipe-checkpoint-2"
+_PARAMS, _STATE, _META = "params", "state", "meta"  # state: optimizer state and step counters
+_ITEMS = (_PARAMS, _STATE, _META)
 
 
 class CheckpointError(RuntimeError):
@@ -70,13 +74,6 @@ def _orbax():
     except ImportError as e:  # pragma: no cover - orbax is a dependency
         raise ImportError("jpipe.checkpoint needs orbax-checkpoint: pip install orbax-checkpoint") from e
     return ocp
-
-
-def _stage_like(path: tuple, shape: tuple[int, ...], layout: Any) -> bool:
-    """Whether an optimizer-state leaf mirrors a stage stack ``[devices, chunks, layers, ...]``."""
-    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in ("pre", "stages", "post")]
-    head = (layout.num_devices, layout.num_chunks, layout.max_layers)
-    return bool(keys) and keys[0] == "stages" and tuple(shape[:3]) == head
 
 
 def _fingerprint(a: jax.Array) -> jax.Array:
@@ -121,7 +118,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
             cleanup_tmp_directories=True)  # leftovers of writes cut short
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_ARRAYS, _META))
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
     # -- which checkpoints there are --------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -136,7 +133,7 @@ class Checkpointer:
 
     def _complete(self, step: int) -> bool:
         path = self.directory / str(step)
-        return all((path / item).is_dir() and any((path / item).iterdir()) for item in (_ARRAYS, _META))
+        return all((path / item).is_dir() and any((path / item).iterdir()) for item in _ITEMS)
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, state: TrainState, *, force: bool = False, extra: dict | None = None) -> bool:
@@ -157,7 +154,9 @@ class Checkpointer:
         meta["extra"] = extra or {}
         ocp = _orbax()
         self._manager.save(step, args=ocp.args.Composite(
-            **{_ARRAYS: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}))
+            **{_PARAMS: ocp.args.StandardSave({k: v for k, v in arrays.items() if k.startswith("p")}),
+               _STATE: ocp.args.StandardSave({k: v for k, v in arrays.items() if not k.startswith("p")}),
+               _META: ocp.args.JsonSave(meta)}))
         return True
 
     def wait(self) -> None:
@@ -225,28 +224,18 @@ class Checkpointer:
         """
         step = self._pick(step)
         meta = self.metadata(step)
-        if getattr(plan, "pipelines", 1) > 1 or meta["plan"].get("pipelines", 1) > 1:
-            # Co-located pipelines (AvgPipe) hold per-replica parameters: lay them out through a
-            # freshly initialised state of the new plan instead of jpipe.init(params=...).
+        if plan.pipelines > 1 or plan.averaging is not None:  # AvgPipe builds its own state
             fresh = init(model, plan, optimizer, example_batch, rng=jax.random.key(0), devices=devices,
                          nan_policy=nan_policy)
             return self.restore_like(fresh, step=step)
         _check_batch(example_batch, plan, "example_batch")
-        microbatch = _microbatch(example_batch, plan)
-        # What this model and optimizer expect, in the checkpoint's (sequential) layout.
-        want_params = jax.eval_shape(model.init_stacked, jax.random.key(0), microbatch)
-        _compare(meta["params"], _entries(want_params, "params"), step, self.directory, "the model",
+        want = _entries(jax.eval_shape(model.init_params, jax.random.key(0), _microbatch(example_batch, plan)),
+                        "params")
+        _compare(meta["params"], want, step, self.directory, "the model",
                  "restore with the model that was saved (same layers, sizes and dtypes)")
-        # Parameters first, replicated on the new mesh, then through jpipe.init(params=...).
-        from jpipe._mesh import make_mesh
-
-        mesh = make_mesh(plan.pipe, plan.data, devices)
-        arrays = self._read(step, _abstract(meta, NamedSharding(mesh, P())))
-        _verify(arrays, meta, step, self.directory)
-        flat = [arrays[f"p{i:05d}"] for i in range(len(meta["params"]))]
-        params = unstack_layers(jax.tree.unflatten(jax.tree.structure(want_params), flat))
-        state = init(model, plan, optimizer, example_batch, params=params, devices=devices, nan_policy=nan_policy)
-        return self._fill(state, arrays, meta, step, params=False)
+        # The new plan's state as shape structs: every array is then read straight into its shards.
+        return self.restore_like(abstract_state(model, plan, optimizer, example_batch, devices=devices,
+                                                nan_policy=nan_policy), step=step)
 
     def restore_like(self, state: TrainState, *, step: int | None = None) -> TrainState:
         """Restores into the plan, model and optimizer of an existing ``state`` (no new ``jpipe.init``).
@@ -258,45 +247,57 @@ class Checkpointer:
             raise TypeError(f"restore_like takes a jpipe.TrainState, got {type(state).__name__}")
         step = self._pick(step)
         meta = self.metadata(step)
-        conv = _converter(state)
-        _compare(meta["params"], conv.param_entries, step, self.directory, "the model",
-                 "restore with the model that was saved (same layers, sizes and dtypes)")
-        arrays = self._read(step, _abstract(meta, NamedSharding(state.mesh, P())))
-        _verify(arrays, meta, step, self.directory)
-        return self._fill(state, arrays, meta, step, params=True)
-
-    def _fill(self, state: TrainState, arrays: dict, meta: dict, step: int, params: bool) -> TrainState:
-        """``state`` with the checkpoint's optimizer state (and parameters), laid out for its plan."""
-        conv = _converter(state)
-        _compare(meta["opt_state"], conv.opt_entries, step, self.directory, "the optimizer",
+        entries = _entries_of(state)
+        want = [(e.path, jax.ShapeDtypeStruct(e.shape, e.leaf.dtype)) for e in entries]
+        _compare(meta["params"], [w for w in want if w[0].startswith("params")], step, self.directory,
+                 "the model", "restore with the model that was saved (same layers, sizes and dtypes)")
+        _compare(meta["opt_state"], [w for w in want if w[0].startswith("opt_state")], step, self.directory,
+                 "the optimizer",
                  "restore with the optimizer it was saved with (the same optax chain), or start the "
                  "optimizer afresh from the parameters: jpipe.init(..., params=ckpt.restore_params())")
-        saved_opt = [arrays[f"o{i:05d}"] for i in range(len(meta["opt_state"]))]
-        opt_leaves, new_step, skipped = conv.place_opt(saved_opt, arrays["step"], arrays["skipped_steps"])
-        changes = {"opt_state": jax.tree.unflatten(jax.tree.structure(state.opt_state), opt_leaves),
-                   "step": new_step, "skipped_steps": skipped}
-        if params:
-            changes["params"] = conv.place_params([arrays[f"p{i:05d}"] for i in range(len(meta["params"]))])
-        return state.replace(**changes)
+        keys = {e["path"]: f"p{i:05d}" for i, e in enumerate(meta["params"])}
+        keys.update({e["path"]: f"o{i:05d}" for i, e in enumerate(meta["opt_state"])})
+        replicated = NamedSharding(state.mesh, P())
+        abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                    "skipped_steps": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
+        for e in entries:  # every array straight onto the devices that hold it
+            abstract[keys[e.path]] = jax.ShapeDtypeStruct(e.shape, e.leaf.dtype, sharding=e.saved_sharding)
+        arrays = self._read(step, abstract)
+        _verify(arrays, meta, step, self.directory)
+
+        layers: dict = {}
+        for e in entries:
+            if e.position:
+                layers.setdefault(id(e.leaf), {})[e.position] = arrays[keys[e.path]]
+        rebuilt = {id(e.leaf): (_stack_layers(e.leaf, e.sharding, layers[id(e.leaf)]) if e.position
+                                else arrays[keys[e.path]]) for e in entries}
+        return state.replace(params=jax.tree.map(lambda a: rebuilt[id(a)], state.params),
+                             opt_state=jax.tree.map(lambda a: rebuilt[id(a)], state.opt_state),
+                             step=arrays["step"], skipped_steps=arrays["skipped_steps"])
 
     def restore_params(self, step: int | None = None, device: jax.Device | None = None) -> dict:
-        """Only the parameters, in sequential layout on one device: for ``model.loss_value`` or ``jpipe.init``."""
+        """Only the parameters, in sequential layout on one device: for ``model.loss_value`` or ``jpipe.init``.
+
+        For models larger than one device, restore onto a plan with :meth:`restore`.
+        """
         step = self._pick(step)
         meta = self.metadata(step)
-        device = device or jax.local_devices()[0]
-        one = jax.sharding.SingleDeviceSharding(device)
-        abstract = _abstract(meta, one)
+        one = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
+        abstract = {f"p{i:05d}": jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]), sharding=one)
+                    for i, e in enumerate(meta["params"])}
         arrays = self._read(step, abstract)
         _verify(arrays, meta, step, self.directory)
         flat = [arrays[f"p{i:05d}"] for i in range(len(meta["params"]))]
-        tree = _tree_from_paths([e["path"] for e in meta["params"]], flat)
-        return unstack_layers(tree["params"])
+        return _tree_from_paths([e["path"] for e in meta["params"]], flat)["params"]
 
     def _read(self, step: int, abstract: dict) -> dict:
         ocp = _orbax()
         try:
-            restore = ocp.args.StandardRestore(abstract)
-            return self._manager.restore(step, args=ocp.args.Composite(**{_ARRAYS: restore}))[_ARRAYS]
+            parts = {_PARAMS: {k: v for k, v in abstract.items() if k.startswith("p")},
+                     _STATE: {k: v for k, v in abstract.items() if not k.startswith("p")}}
+            args = {item: ocp.args.StandardRestore(part) for item, part in parts.items() if part}
+            read = self._manager.restore(step, args=ocp.args.Composite(**args))
+            return {k: v for item in args for k, v in read[item].items()}
         except Exception as e:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} is damaged or incomplete: its arrays cannot be "
@@ -304,99 +305,128 @@ class Checkpointer:
                 f"ones: {self.all_steps()}") from e
 
 
-def _abstract(meta: dict, sharding: jax.sharding.Sharding) -> dict:
-    """What a checkpoint holds, as ShapeDtypeStructs to read it into ``sharding``."""
-    def spec(e: dict) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]), sharding=sharding)
-
-    abstract = {f"p{i:05d}": spec(e) for i, e in enumerate(meta["params"])}
-    abstract.update({f"o{i:05d}": spec(e) for i, e in enumerate(meta["opt_state"])})
-    abstract["step"] = abstract["skipped_steps"] = spec({"shape": [], "dtype": "int32"})
-    return abstract
+def _is_stage(sharding: NamedSharding) -> bool:
+    """A stage stack ``[devices, chunks, layers, ...]``: split over ``pipe`` alone on its first axis."""
+    return len(sharding.spec) > 0 and sharding.spec[0] == PIPE
 
 
-class _Converter:
-    """A plan's jitted conversions between its pipelined state and the checkpoint's layout (cached)."""
-
-    def __init__(self, state: TrainState) -> None:
-        program = state.program
-        layout = program.layout
-        num_layers = int(layout.counts.sum())
-        opt = jax.tree_util.tree_leaves_with_path(state.opt_state)
-        stage = [_stage_like(path, leaf.shape, layout) for path, leaf in opt]
-        mesh = program.mesh
-        replicated = NamedSharding(mesh, P())
-
-        def sequential(params):
-            return {"pre": params["pre"], "layers": layout.from_stages(params["stages"]), "post": params["post"]}
-
-        def to_checkpoint(params, opt_leaves, step, skipped):
-            seq = sequential(params)
-            opt_seq = [layout.from_stages(v) if s else v for v, s in zip(opt_leaves, stage)]
-            prints = [_fingerprint(a) for a in jax.tree.leaves(seq) + opt_seq]
-            return seq, opt_seq, step.astype(jnp.int32), skipped.astype(jnp.int32), prints
-
-        def place_params(seq_flat):
-            seq = jax.tree.unflatten(self.seq_treedef, seq_flat)
-            return {"pre": seq["pre"], "stages": layout.to_stages(seq["layers"]), "post": seq["post"]}
-
-        def place_opt(opt_values, step, skipped):
-            return [layout.to_stages(v) if s else v for v, s in zip(opt_values, stage)], step, skipped
-
-        seq_shape = jax.eval_shape(sequential, state.params)
-        self.seq_treedef = jax.tree.structure(seq_shape)
-        self.param_entries = _entries(seq_shape, "params")
-        self.opt_entries = [
-            (f"opt_state{jax.tree_util.keystr(path)}",
-             jax.ShapeDtypeStruct((num_layers, *leaf.shape[3:]) if s else leaf.shape, leaf.dtype))
-            for (path, leaf), s in zip(opt, stage)]
-        self.opt_paths = [p for p, _ in self.opt_entries]
-        self.to_checkpoint = jax.jit(to_checkpoint, out_shardings=replicated)
-        self.place_params = jax.jit(place_params, out_shardings=param_shardings(
-            mesh, state.params, program.executor.replicas_over_data))
-        self.place_opt = jax.jit(place_opt, out_shardings=([leaf.sharding for _, leaf in opt], replicated,
-                                                           replicated))
+def _layer_path(path: str, layer: int) -> str:
+    if "['stages']" not in path:
+        raise AssertionError(f"a stage stack outside 'stages': {path}")
+    return path.replace("['stages']", f"['layers'][{layer}]", 1)
 
 
-_CONVERTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _row_sharding(leaf: Any, sharding: NamedSharding, row: int) -> NamedSharding:
+    """Where one layer of a stage stack lives: the devices of pipe row ``row``, split as the stack is."""
+    rank = len(leaf.shape)
+    rest = (tuple(sharding.spec) + (None,) * rank)[3:rank]
+    return NamedSharding(Mesh(sharding.mesh.devices[row:row + 1], sharding.mesh.axis_names), P(*rest))
 
 
-def _converter(state: TrainState) -> _Converter:
-    conv = _CONVERTERS.get(state.program)
-    if conv is None:
-        conv = _CONVERTERS[state.program] = _Converter(state)
-    return conv
+class _Entry(NamedTuple):
+    path: str
+    leaf: Any  # an array of the state, or its shape struct
+    sharding: NamedSharding  # where the state keeps it (the plan's rule, see jpipe._sharding)
+    position: tuple[int, int, int] | None  # (device, chunk, j) of one layer of a stage stack
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.leaf.shape[3:] if self.position else self.leaf.shape)
+
+    @property
+    def saved_sharding(self) -> NamedSharding:
+        return _row_sharding(self.leaf, self.sharding, self.position[0]) if self.position else self.sharding
+
+
+def _entries_of(state: TrainState) -> list[_Entry]:
+    """Every array a checkpoint of ``state`` holds; stage stacks give one entry per layer, in order."""
+    positions = state.program.layout.positions()
+    out = []
+    for prefix, tree, shardings in (("params", state.params, state.program.shardings[0]),
+                                    ("opt_state", state.opt_state, state.program.shardings[1])):
+        for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(shardings),
+                                          strict=True):
+            name = f"{prefix}{jax.tree_util.keystr(path)}"
+            if _is_stage(sharding):
+                out += [_Entry(_layer_path(name, i), leaf, sharding, pos) for i, pos in enumerate(positions)]
+            else:
+                out.append(_Entry(name, leaf, sharding, None))
+    return out
+
+
+def _layer_of(entry: _Entry) -> jax.Array:
+    """One layer of a stage stack, on the devices of its row: a copy of each local shard, no data moves
+    between devices."""
+    d, c, j = entry.position
+    sharding = entry.saved_sharding
+    devices = set(sharding.device_set)
+    pieces = [s.data[0, c, j] for s in entry.leaf.addressable_shards if s.device in devices]
+    return jax.make_array_from_single_device_arrays(entry.shape, sharding, pieces)
+
+
+def _stack_layers(template: Any, sharding: NamedSharding, layers: dict[tuple[int, int, int], jax.Array]) -> jax.Array:
+    """The inverse of :func:`_layer_of`: a stage stack shaped like ``template`` and split as ``sharding``
+    says, from its layers, each already on its row's devices; padding slots are zeros."""
+    shape = tuple(template.shape)
+    _, chunks, depth = shape[:3]
+    local = sharding.shard_shape(shape)
+    pieces = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        row = index[0].start or 0
+        slots = []
+        for c in range(chunks):
+            for j in range(depth):
+                layer = layers.get((row, c, j))
+                if layer is None:
+                    slots.append(jax.device_put(np.zeros(local[3:], template.dtype), device))
+                else:
+                    slots.append(next(s.data for s in layer.addressable_shards if s.device == device))
+        pieces.append(jnp.stack(slots).reshape(local))
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+
+def _fingerprint_all(arrays: list[jax.Array]) -> list[int]:
+    """One fingerprint per array; arrays on the same devices share one call."""
+    groups: dict = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(frozenset(a.sharding.device_set), []).append(i)
+    out: list = [None] * len(arrays)
+    for indices in groups.values():
+        prints = jax.device_get(_fingerprints([arrays[i] for i in indices]))
+        for i, p in zip(indices, prints):
+            out[i] = int(p)
+    return out
 
 
 def _to_checkpoint(state: TrainState) -> tuple[dict, dict]:
-    """The state as flat replicated arrays in sequential layout, and their description."""
+    """The state's arrays as the checkpoint holds them (stage stacks cut into layers), and their description."""
     program = state.program
-    conv = _converter(state)
+    entries = _entries_of(state)
+    arrays_list = [_layer_of(e) if e.position else e.leaf for e in entries]
+    prints = _fingerprint_all(arrays_list)
+    params, opt = [], []
+    arrays = {}
+    for path, array, fingerprint in zip((e.path for e in entries), arrays_list, prints):
+        group = params if path.startswith("params") else opt
+        key = f"{'p' if group is params else 'o'}{len(group):05d}"
+        group.append({"path": path, "shape": list(array.shape), "dtype": str(array.dtype),
+                      "fingerprint": fingerprint})
+        arrays[key] = array
+    replicated = NamedSharding(state.mesh, P())
     skipped = state.skipped_steps if state.skipped_steps is not None else jnp.zeros((), jnp.int32)
-    seq, opt_seq, step, skipped, prints = conv.to_checkpoint(state.params, jax.tree.leaves(state.opt_state),
-                                                             state.step, skipped)
-    params = _entries(seq, "params")
-    opt_entries = list(zip(conv.opt_paths, opt_seq))
-    prints = [int(x) for x in jax.device_get(prints)]
-    arrays = {f"p{i:05d}": v for i, (_, v) in enumerate(params)}
-    arrays.update({f"o{i:05d}": v for i, (_, v) in enumerate(opt_entries)})
-    arrays["step"], arrays["skipped_steps"] = step, skipped
+    arrays["step"] = jax.device_put(state.step.astype(jnp.int32), replicated)
+    arrays["skipped_steps"] = jax.device_put(jnp.asarray(skipped, jnp.int32), replicated)
     plan = program.plan
-
-    def describe(entries, offset):
-        return [{"path": p, "shape": list(v.shape), "dtype": str(v.dtype), "fingerprint": prints[offset + i]}
-                for i, (p, v) in enumerate(entries)]
-
     return arrays, {
         "format": FORMAT,
-        "step": int(jax.device_get(step)),
+        "step": int(jax.device_get(state.step)),
         "num_layers": program.model.num_layers,
         "plan": {"pipe": plan.pipe, "data": plan.data, "microbatches": plan.microbatches,
                  "schedule": plan.schedule if isinstance(plan.schedule, str) else repr(plan.schedule),
                  "partition": [int(n) for n in program.layout.counts.T.reshape(-1)], "remat": plan.remat,
-                 "pipelines": getattr(plan, "pipelines", 1)},
-        "params": describe(params, 0),
-        "opt_state": describe(opt_entries, len(params)),
+                 "pipelines": getattr(plan, "pipelines", 1), "shard": plan.shard},
+        "params": params,
+        "opt_state": opt,
     }
 
 
@@ -421,8 +451,8 @@ def _verify(arrays: dict, meta: dict, step: int, directory: Path) -> None:
     entries = [(f"p{i:05d}", e) for i, e in enumerate(meta["params"])]
     entries += [(f"o{i:05d}", e) for i, e in enumerate(meta["opt_state"])]
     entries = [(k, e) for k, e in entries if k in arrays]
-    prints = jax.device_get(_fingerprints([arrays[k] for k, _ in entries]))
-    bad = [e["path"] for (_, e), got in zip(entries, prints) if int(got) != e["fingerprint"]]
+    prints = _fingerprint_all([arrays[k] for k, _ in entries])
+    bad = [e["path"] for (_, e), got in zip(entries, prints) if got != e["fingerprint"]]
     if bad:
         raise CheckpointError(f"checkpoint step {step} in {directory} is damaged: {', '.join(bad[:5])} "
                               f"read back different from what was saved (fingerprint mismatch); restore an "
@@ -442,5 +472,15 @@ def _tree_from_paths(paths: list[str], leaves: list[Any]) -> dict:
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         node[keys[-1]] = leaf
-    return root
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    """Dicts keyed 0..n-1 (as ``['layers'][i]`` paths give) back into lists."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        return [node[i] for i in range(len(node))]
+    return node
 
