@@ -44,7 +44,7 @@ _NOT_CONFIG |= _LAUNCH
 
 
 def _add_train(commands) -> argparse.ArgumentParser:
-    from jpipe.run import FIXED_PLAN, TrainConfig
+    from jpipe.run import DTYPES, FIXED_PLAN, TrainConfig
 
     d = TrainConfig  # the defaults live in one place
     train = commands.add_parser(
@@ -69,6 +69,9 @@ def _add_train(commands) -> argparse.ArgumentParser:
     add("--d-model", type=int, default=d.d_model, help="model width")
     add("--heads", type=int, default=d.heads, help="attention heads")
     add("--framework", choices=("nnx", "linen"), default=d.framework, help="Flax API of the model")
+    add("--dtype", choices=DTYPES, default=d.dtype,
+        help="compute dtype of the model (activations, matmuls, what stages send each other); parameters, "
+             "gradients and the Adam state stay float32, softmax and loss are float32 (mixed precision)")
     plan_default = "the planner's choice; beside other plan options, {}"
     add("--pipe", type=int, default=None, help="pipeline stages (default: " +
         plan_default.format(FIXED_PLAN["pipe"]) + ")")
@@ -202,6 +205,8 @@ def _add_plan(commands) -> None:
     add("--layers", type=int, default=8, help="transformer blocks")
     add("--d-model", type=int, default=64, help="model width")
     add("--heads", type=int, default=4, help="attention heads")
+    add("--dtype", choices=("float32", "bfloat16"), default="float32",
+        help="compute dtype of the model (as jpipe train --dtype; parameters stay float32)")
     add("--memory-limit", type=float, default=None, metavar="MIB",
         help="MiB per device (default: what the device reports, else no limit)")
     add("--profile-rounds", type=int, default=1, metavar="N",
@@ -232,7 +237,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from jpipe import models
 
         model = models.gpt(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.heads,
-                           num_layers=args.layers)
+                           num_layers=args.layers, dtype=args.dtype)
         tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
         limit = None if args.memory_limit is None else args.memory_limit * 2**20
         batch = {"tokens": tokens, "targets": tokens}

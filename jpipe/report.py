@@ -195,7 +195,9 @@ def write_report(run_dir: str) -> str:
     if config:
         lines.append(f"| model | GPT ({config.get('framework', 'nnx')}), {config.get('layers')} layers, d_model "
                      f"{config.get('d_model')}, {config.get('heads')} heads, seq_len {config.get('seq_len')}, "
-                     f"{_fmt(summary.get('num_params'), ',')} parameters |")
+                     f"{_fmt(summary.get('num_params'), ',')} parameters"
+                     + (f", {config['dtype']} compute (float32 parameters)"
+                        if config.get("dtype", "float32") != "float32" else "") + " |")
         lines.append(f"| data | {_fmt(summary.get('train_bytes'), ',')} train / "
                      f"{_fmt(summary.get('heldout_bytes'), ',')} held-out bytes of Python standard-library "
                      f"source (byte vocabulary, 256) |")

@@ -36,6 +36,8 @@ __all__ = ["FIXED_PLAN", "TrainConfig", "choose_plan", "dump_config", "latest_ru
 
 FIXED_PLAN = {"pipe": 4, "data": 2, "microbatches": 4, "schedule": "1f1b"}
 PLAN_KEYS = ("pipe", "data", "microbatches", "schedule")
+# Compute dtypes of the GPT (``--dtype``); its parameters and the Adam state are float32 with either.
+DTYPES = ("float32", "bfloat16")
 # Options that fix the model's parameter shapes or its data; a resumed run may not change them.
 SHAPE_KEYS = ("layers", "d_model", "heads", "seq_len", "framework", "max_chars")
 
@@ -55,6 +57,7 @@ class TrainConfig:
     d_model: int = 64
     heads: int = 4
     framework: str = "nnx"
+    dtype: str = "float32"  # the GPT's compute dtype; parameters and optimizer state are float32 either way
     pipe: int | None = None
     data: int | None = None
     microbatches: int | None = None
@@ -110,6 +113,8 @@ class TrainConfig:
             raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
         if self.framework not in ("nnx", "linen"):
             raise ValueError(f"--framework must be 'nnx' or 'linen', got {self.framework!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.schedule is not None:
             from jpipe.schedules import get_schedule
 
@@ -331,7 +336,7 @@ def train(
 
     corpus = jdata.load(config.max_chars)
     model = models.gpt(corpus.vocab_size, config.seq_len, d_model=config.d_model, num_heads=config.heads,
-                       num_layers=config.layers, framework=config.framework)
+                       num_layers=config.layers, framework=config.framework, dtype=config.dtype)
 
     def train_batches() -> Iterator[dict]:
         return corpus.batches(config.seq_len, config.batch_size, seed=config.seed, split="train")
@@ -375,7 +380,8 @@ def train(
     log(f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes of Python "
         f"standard-library source ({len(corpus.train_files)} / {len(corpus.heldout_files)} files)")
     log(f"model: GPT ({config.framework}), {config.layers} layers, d_model {config.d_model}, "
-        f"{config.heads} heads, seq_len {config.seq_len}, byte vocabulary ({corpus.vocab_size})")
+        f"{config.heads} heads, seq_len {config.seq_len}, byte vocabulary ({corpus.vocab_size})"
+        + (f", {config.dtype} compute with float32 parameters" if config.dtype != "float32" else ""))
     log(f"plan ({source}): pipe {plan.pipe} x data {plan.data} on {len(run_devices)} "
         f"{run_devices[0].platform} devices, {plan.microbatches} micro-batches, schedule "
         f"{plan_record['schedule']!r}{' + remat' if plan.remat else ''}"

@@ -210,3 +210,33 @@ def test_train_without_plan_options_runs_the_planners_choice():
     assert best[1:5] == [str(plan.pipe), str(plan.data), str(plan.microbatches), plan.schedule]
     plan, source, table = choose_plan(TrainConfig(pipe=2), model, batch, jax.devices())
     assert (source, table, plan.pipe, plan.data) == ("options", None, 2, 4)  # the rest from FIXED_PLAN
+
+
+def test_dtype_option_sets_the_gpts_compute_dtype(tmp_path, monkeypatch, capsys):
+    from jpipe import models, run
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["train"]).dtype == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--dtype", "float16"])
+    train = cli._subparser(parser, "train")
+    assert cli._check_config_values(train, {"dtype": "bfloat16"}, "x.toml") == {"dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cli._check_config_values(train, {"dtype": "fp8"}, "x.toml")
+    with pytest.raises(ValueError, match="--dtype"):
+        run.TrainConfig(dtype="float16").check()
+
+    # `jpipe train --dtype bfloat16` builds the GPT with bfloat16 compute (float32 parameters): stop there.
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def gpt(*args, **kwargs):
+        built.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(models, "gpt", gpt)
+    with pytest.raises(Built):
+        cli.main(["train", *TINY, "--steps", "1", "--dtype", "bfloat16", "--out", str(tmp_path / "bf16")])
+    assert built["dtype"] == "bfloat16"

@@ -78,6 +78,9 @@ def test_gpt_and_mlp_reject_bad_arguments():
         models.gpt(16, 8, framework="torch")
     with pytest.raises(ValueError, match="divisible"):
         models.gpt(16, 8, d_model=10, num_heads=4)
+    for dtype in (jnp.int32, None, "fp8"):
+        with pytest.raises(ValueError, match="floating-point dtype"):
+            models.gpt(16, 8, dtype=dtype)
     with pytest.raises(ValueError, match="num_layers"):
         models.mlp(3, 8, 1, num_layers=0)
 
