@@ -118,11 +118,6 @@ def _microbatch(batch: PyTree, plan: Plan) -> PyTree:
     return jax.tree.map(lambda a: jnp.asarray(a[:size]), batch)
 
 
-def _to_pipelined(params: Params, layout: Layout) -> Params:
-    stacked = stack_layers(params)
-    return {"pre": stacked["pre"], "stages": layout.to_stages(stacked["layers"]), "post": stacked["post"]}
-
-
 def _check_params(params: Params, expected: Params) -> None:
     if not isinstance(params, dict) or set(params) != {"pre", "layers", "post"}:
         got = sorted(params) if isinstance(params, dict) else type(params).__name__

@@ -102,6 +102,15 @@ def test_step_equals_sequential_grad(pipe, data, microbatches, partition, schedu
     assert_step_matches_sequential(make_model(framework), plan, batch)
 
 
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+@pytest.mark.parametrize("pipe,data,microbatches,partition", [(4, 2, 8, None), (2, 4, 3, None),
+                                                              (4, 2, 6, (1, 3, 2, 2))], ids=lambda v: str(v))
+def test_every_shard_level_gives_the_sequential_gradient(pipe, data, microbatches, partition, shard):
+    """The grid above runs the default level (Plan.shard); the other levels on a few meshes."""
+    plan = jpipe.Plan(pipe, data, microbatches, partition=partition, shard=shard)
+    assert_step_matches_sequential(make_model("nnx"), plan, make_batch(2 * data * microbatches))
+
+
 def test_training_loss_goes_down_and_state_roundtrips():
     model = make_model("nnx")
     batch = make_batch(32)
@@ -125,14 +134,17 @@ def test_training_loss_goes_down_and_state_roundtrips():
 
 def test_state_is_sharded_stage_by_stage():
     model = make_model("nnx")
-    state = jpipe.init(model, jpipe.Plan(4, 2, 2), optax.adam(1e-3), make_batch(8), rng=jax.random.key(0))
+    state = jpipe.init(model, jpipe.Plan(4, 2, 2, shard="optimizer"), optax.adam(1e-3), make_batch(8),
+                       rng=jax.random.key(0))
     kernel = state.params["stages"]["up"]["kernel"]
     assert kernel.shape == (4, 1, 2, HIDDEN, 2 * HIDDEN)  # [devices, chunks, layers per stage, ...]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("pipe")
     # each device holds only its own stage's layers
     assert {s.data.shape for s in kernel.addressable_shards} == {(1, 1, 2, HIDDEN, 2 * HIDDEN)}
+    # and half of their optimizer state: the other half is on the stage's other data device
     mu = state.opt_state[0].mu["stages"]["up"]["kernel"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec("pipe")
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("pipe", None, None, None, "data")
+    assert {s.data.shape for s in mu.addressable_shards} == {(1, 1, 2, HIDDEN, HIDDEN)}
 
 
 def test_train_step_donates_and_can_be_lowered():

@@ -32,6 +32,7 @@ wait for the step's gradients and XLA can run it alongside the pipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -52,13 +53,22 @@ from jpipe._train import (
     _check_batch,
     _check_params,
     _new_state,
-    _to_pipelined,
+    _init_pipelined,
+    place_params,
 )
 from jpipe.averaging._elastic import ElasticAveraging, ElasticState, per_replica
 
 # Where the replica axis sits in the pipelined layout: pre/post are [N, ...]; stage stacks are
 # [devices, chunks, layers per chunk, N, ...].
 REPLICA_AXIS = {"pre": 0, "stages": 3, "post": 0}
+
+
+def _replicas(n: int, pipelined: Params) -> Params:
+    """Pipelined parameters -> ``n`` equal replicas on each leaf's replica axis (:data:`REPLICA_AXIS`)."""
+    def along(axis: int):
+        return lambda a: jnp.broadcast_to(jnp.expand_dims(a, axis), (*a.shape[:axis], n, *a.shape[axis:]))
+
+    return {part: jax.tree.map(along(REPLICA_AXIS[part]), pipelined[part]) for part in ("pre", "stages", "post")}
 
 
 def _replicate(tree: PyTree, n: int) -> PyTree:
@@ -238,18 +248,24 @@ def init(
     size = _check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
     microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
     one = batch_slice(microbatch, 0)
-    if params is None:
-        params = model.init_params(rng, one)
-    else:
-        _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
-
     partition = plan.stage_partition(model.num_layers)
     table = plan.table()
     mesh = make_mesh(plan.pipe, plan.data, devices)
     layout = Layout.from_partition(partition, plan.pipe)
-    pipelined = _to_pipelined(_replicate(params, total), layout)
-    param_shardings = _sharding.param_shardings(pipelined, mesh, None, replicas=True)
-    pipelined = jax.device_put(pipelined, param_shardings)
+    # One model, stage-local and split over the mesh (as jpipe.init builds it), then broadcast to
+    # every replica by a program whose outputs are split over the replica axis: no device ever
+    # holds more than its own pipelines' share.
+    single = jax.eval_shape(functools.partial(_init_pipelined, model, layout), jax.random.key(0), one)
+    single_shardings = _sharding.param_shardings(single, mesh, "parameters")
+    if params is None:
+        single = jax.jit(functools.partial(_init_pipelined, model, layout),
+                         out_shardings=single_shardings)(rng, one)
+    else:
+        _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
+        single = place_params(params, layout, single_shardings)
+    replicated = jax.eval_shape(functools.partial(_replicas, total), single)
+    param_shardings = _sharding.param_shardings(replicated, mesh, None, replicas=True)
+    pipelined = jax.jit(functools.partial(_replicas, total), out_shardings=param_shardings)(single)
     inner = per_replica(optimizer, REPLICA_AXIS)
     full = optax.chain(inner, averaging.transform(total, replica_axis=REPLICA_AXIS))
     # Each replica's optimizer state lives with the replica; the centre is replicated over the
