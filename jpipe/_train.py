@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jpipe import _sharding
 from jpipe._executor import Executor, Layout, batch_spec
 from jpipe._mesh import PIPE, make_mesh
-from jpipe._model import Params, PyTree, Staged, stack_layers
+from jpipe._model import Params, PyTree, Staged
 from jpipe._plan import Plan
 
 

@@ -291,10 +291,12 @@ def centre(state: TrainState) -> Params:
     """The centre (reference) model in sequential layout -- the model to evaluate and export.
 
     Use it with the original (not the ensemble) model: ``model.loss_value(centre(state), batch)``.
+    New arrays: they never alias the state, which the next ``train_step`` donates.
     """
     c = _elastic_state(state).centre
     layers = state.program.layout.from_stages(c["stages"])
-    return unstack_layers({"pre": c["pre"], "layers": layers, "post": c["post"]})
+    return unstack_layers({"pre": jax.tree.map(jnp.copy, c["pre"]), "layers": layers,
+                           "post": jax.tree.map(jnp.copy, c["post"])})
 
 
 to_sequential = centre
