@@ -415,7 +415,7 @@ def test_profile_times_every_asked_size_and_the_optimizer_step():
     import jax.numpy as jnp
 
     import jpipe.models
-    from jpipe.partition import profile
+    from jpipe.partition import memory_profile, profile
 
     model = jpipe.models.mlp(in_dim=4, hidden=32, out_dim=1, num_layers=3)
     mb = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
@@ -432,6 +432,12 @@ def test_profile_times_every_asked_size_and_the_optimizer_step():
     # a stash slot's copy, at each size: the timed stack's (all 3 layers') residuals
     assert [nbytes for nbytes, _ in p.stash_copy] == [3 * p.scaled(s).layers[0].residual_bytes for s in (2, 8, 32)]
     assert all(t > 0 for _, t in p.stash_copy)
+    # the sizes alone, from shapes (nothing compiled), are the timed profile's
+    sizes = memory_profile(model, mb)
+    for timed, shapes in zip((p.pre, p.layers[0], p.post), (sizes.pre, sizes.layers[0], sizes.post)):
+        assert timed._replace(forward=0.0, backward=0.0, update=0.0, curve=(), name="") == \
+            shapes._replace(name="")
+    assert sizes.layers[0].accumulator_bytes == sizes.layers[0].param_bytes          # float32 weights
     with pytest.raises(ValueError, match="microbatch_sizes"):
         profile(model, mb, comm=False, microbatch_sizes=[0])
 

@@ -9,6 +9,9 @@
 - :func:`plan` (also ``jpipe.plan``) picks jpipe's mesh shape, partition,
   micro-batches and schedule from profiled costs; :func:`refine` times the
   best few predicted plans (:func:`measure_plans`) and chooses by measurement.
+  :func:`predict_memory` is its memory model (a :class:`Memory`, term by term: what
+  a device stores plus the compiled step's temporaries); :func:`memory_profile`
+  gives the sizes it needs from shapes alone.
 
 >>> from jpipe import partition
 >>> partition.Cluster.preset("dapple-B").num_devices
@@ -28,6 +31,7 @@ from jpipe.partition._profile import (
     load,
     mean_profile,
     measure_comm,
+    memory_profile,
     profile,
     read_graph,
     read_graph_profile,
@@ -36,12 +40,14 @@ from jpipe.partition._profile import (
 )
 from jpipe.partition._search import (
     Candidate,
+    Memory,
     PlanChoice,
     balanced_partition,
     evaluate,
     format_candidates,
     microbatch_sizes,
     plan,
+    predict_memory,
     profile_sizes,
     search,
     stage_costs,
@@ -55,6 +61,7 @@ __all__ = [
     "GraphNode",
     "Latency",
     "LayerCost",
+    "Memory",
     "PlanChoice",
     "Profile",
     "Profiler",
@@ -68,8 +75,10 @@ __all__ = [
     "mean_profile",
     "measure_comm",
     "measure_plans",
+    "memory_profile",
     "microbatch_sizes",
     "plan",
+    "predict_memory",
     "profile",
     "profile_sizes",
     "read_graph",

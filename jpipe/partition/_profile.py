@@ -50,11 +50,18 @@ class LayerCost(NamedTuple):
     (extrapolating the nearest segment) and, without a curve, scales linearly.
     Sizes are bytes: ``activation_bytes`` the layer's output, ``residual_bytes``
     what its backward keeps from its forward, ``param_bytes`` and
-    ``optimizer_bytes`` (optimizer state) its weights'.
+    ``optimizer_bytes`` (optimizer state) its weights', in their dtypes, and ``grad_bytes``
+    its weights' gradient accumulator (float32 whatever the weights' dtype, as the executor
+    accumulates; ``None``: as many as ``param_bytes``, float32 weights). :attr:`accumulator_bytes`
+    reads it. ``mask_bytes``: what the layer's residuals hold beyond ``residual_bytes`` when it
+    runs masked, as the executor runs the layers of a partition's shorter stages (a ``lax.cond``
+    whose backward keeps the layer's weights too); it does not grow with the batch.
 
     >>> l = LayerCost("l", 2.0, 4.0, 8.0, 0.0, curve=((0.5, 1.5, 2.0),))
     >>> l.scaled(0.75)[1:4], l.scaled(2)[1:3], l.scaled(0.5).curve
     ((1.75, 3.0, 6.0), (3.0, 8.0), ((2.0, 2.0, 4.0),))
+    >>> [LayerCost("bf16", 0, 0, 0, 2e3, grad_bytes=g).accumulator_bytes for g in (None, 4e3)]
+    [2000.0, 4000.0]
     """
 
     name: str
@@ -66,6 +73,13 @@ class LayerCost(NamedTuple):
     residual_bytes: float = 0.0
     update: float = 0.0
     curve: Points = ()
+    grad_bytes: float | None = None
+    mask_bytes: float = 0.0
+
+    @property
+    def accumulator_bytes(self) -> float:
+        """Bytes of the float32 gradient accumulator of the weights (``grad_bytes``, else ``param_bytes``)."""
+        return float(self.param_bytes if self.grad_bytes is None else self.grad_bytes)
 
     def scaled(self, factor: float) -> LayerCost:
         """The layer at ``factor`` times the profiled batch (bytes linear in the batch)."""
@@ -88,12 +102,17 @@ class CommCost(NamedTuple):
     ``exchange``: one tick of the executor between pipe neighbours -- the
     activation ppermute forward and the cotangent ppermute backward, ``bytes``
     each way. ``allreduce``: one all-reduce, by bytes of ring traffic, so an
-    all-reduce of ``s`` bytes over ``n`` devices is read at ``2 s (n-1)/n``.
+    all-reduce of ``s`` bytes over ``n`` devices is read at ``2 s (n-1)/n``; a
+    reduce-scatter of ``s`` bytes (each device keeps ``s/n`` of the sum) and an
+    all-gather of ``s`` bytes (from ``s/n`` on each) move half that, ``s (n-1)/n``,
+    and are read off the same points.
 
     >>> c = CommCost.linear(exchange_latency=1e-4, exchange_per_byte=1e-9, allreduce_latency=1e-3,
     ...                     allreduce_per_byte=1e-9)
     >>> round(c.exchange_time(1e6), 6), round(c.allreduce_time(1e6, 2), 6), c.allreduce_time(1e6, 1)
     (0.0011, 0.002, 0.0)
+    >>> round(c.reduce_scatter_time(1e6, 2), 6), round(c.all_gather_time(1e6, 2), 6)
+    (0.0015, 0.0015)
     """
 
     exchange: Points
@@ -113,6 +132,16 @@ class CommCost(NamedTuple):
         if n <= 1 or size <= 0:
             return 0.0
         return interpolate(self.allreduce, 2.0 * size * (n - 1) / n)
+
+    def reduce_scatter_time(self, size: float, n: int) -> float:
+        """A ring reduce-scatter of ``size`` bytes over ``n`` devices: ``size (n-1)/n`` bytes of traffic."""
+        if n <= 1 or size <= 0:
+            return 0.0
+        return interpolate(self.allreduce, size * (n - 1) / n)
+
+    def all_gather_time(self, size: float, n: int) -> float:
+        """A ring all-gather of ``size`` bytes in all over ``n`` devices: as a reduce-scatter of them."""
+        return self.reduce_scatter_time(size, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,6 +572,24 @@ def _stack_forward(model: Any) -> Callable[[Any, Any], Any]:
     return lambda p, x: jax.lax.scan(lambda h, pj: (model.layer_apply(pj, h), None), x, p)[0]
 
 
+def _masked_stack_forward(model: Any) -> Callable[[Any, Any, Any], Any]:
+    """``f(stacked layer params, x, count) -> y``: the layers as the executor runs a stage shorter than
+    the largest (``Executor.stage_forward``): each in a ``lax.cond`` on its index below ``count``."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(p: Any, x: Any, count: Any) -> Any:
+        layers = jax.tree.leaves(p)[0].shape[0]
+
+        def one(h: Any, pj: Any) -> Any:
+            q, j = pj
+            return jax.lax.cond(j < count, lambda: model.layer_apply(q, h), lambda: h), None
+
+        return jax.lax.scan(one, x, (p, jnp.arange(layers)))[0]
+
+    return f
+
+
 class _Part(NamedTuple):
     """A part of the model ready to time: its sizes (times 0), two runs, and how many layers it holds."""
 
@@ -589,6 +636,83 @@ def _stash_copy_run(residuals: Any, device: Any) -> tuple[float, Callable[[], An
     return _tree_bytes(residuals), run
 
 
+def _accumulator_bytes(tree: Any) -> float:
+    """Bytes of the executor's gradient accumulators for ``tree``: float32 for floating-point leaves of
+    at most 4 bytes an element (bfloat16 and float16 weights included), the leaf's own dtype otherwise."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(x: Any) -> int:
+        floating = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 4  # bfloat16 too
+        return math.prod(x.shape) * (4 if floating else x.dtype.itemsize)
+
+    return float(sum(one(x) for x in jax.tree.leaves(tree)))
+
+
+def _part_sizes(model: Any, microbatch: Any, optimizer: Any,
+                layers: int) -> tuple[LayerCost, LayerCost, LayerCost, Any]:
+    """``pre``, one layer (of a stack of ``layers``, as a stage runs them) and ``post`` with the loss, at
+    ``microbatch``: their sizes in bytes, in their dtypes (times 0), and the stack's residual shapes.
+    From shapes alone (``jax.eval_shape``): nothing is compiled or run."""
+    import jax
+    import jax.numpy as jnp
+
+    params = jax.eval_shape(model._init_stacked, jax.random.key(0), microbatch)
+    pre_p, post_p = params["pre"], params["post"]
+    stack_p = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers, *a.shape[1:]), a.dtype), params["layers"])
+    hidden = jax.eval_shape(model.embed, pre_p, microbatch)
+    k = layers
+
+    def residuals(forward: Callable, *args: Any) -> Any:  # what jax.vjp keeps w.r.t. the first two arguments
+        return jax.eval_shape(lambda *a: jax.vjp(lambda p, x: forward(p, x, *a[2:]), a[0], a[1])[1]
+                              .opaque_residuals, *args)
+
+    def cost(name: str, out: float, p: Any, res: Any, per: int = 1) -> LayerCost:
+        return LayerCost(name, 0.0, 0.0, out, _tree_bytes(p) / per,
+                         _tree_bytes(jax.eval_shape(optimizer.init, p)) / per, _tree_bytes(res) / per,
+                         grad_bytes=_accumulator_bytes(p) / per)
+
+    stack_res = residuals(lambda p, x: _stack_forward(model)(p, x), stack_p, hidden)
+    zeros = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype)
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+    masked_res = residuals(lambda p, x, c: _masked_stack_forward(model)(p, x, c), stack_p, zeros, count)
+    # pre: differentiated w.r.t. its parameters and the micro-batch (data: float0 cotangents)
+    pre_res = residuals(lambda p, x: model.embed(p, x), pre_p, microbatch)
+    pre = cost("pre", _tree_bytes(hidden), pre_p, pre_res)
+    layer = cost("layer", _tree_bytes(hidden), stack_p, stack_res, k)
+    layer = layer._replace(mask_bytes=max(0.0, (_tree_bytes(masked_res) - _tree_bytes(stack_res)) / k))
+    post = cost("post", 4.0, post_p, residuals(lambda p, x, mb: model.head_loss(p, x, mb), post_p, zeros,
+                                                microbatch))
+    return pre, layer, post, stack_res
+
+
+def memory_profile(model: Any, example_microbatch: Any, *, optimizer: Any = None) -> Profile:
+    """A :class:`Profile` of ``model``'s sizes alone (every time 0), at ``example_microbatch``: parameter,
+    optimizer-state, float32 gradient-accumulator, activation and residual bytes of ``pre``, each layer
+    and ``post``, as :func:`profile` measures them, from shapes alone (``jax.eval_shape``: nothing is
+    compiled or run, in milliseconds). Enough for :func:`jpipe.partition.evaluate`'s memory; no use
+    for its times.
+
+    >>> import jax.numpy as jnp, jpipe.models
+    >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=3)
+    >>> p = memory_profile(model, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))})
+    >>> p.num_layers, p.layers[0].param_bytes, p.layers[0].accumulator_bytes, p.layers[0].activation_bytes
+    (3, 1088.0, 1088.0, 512.0)
+    """
+    import jax
+    import numpy as np
+    import optax
+
+    optimizer = optax.adam(1e-3) if optimizer is None else optimizer
+    sizes = {np.shape(a)[0] for a in jax.tree.leaves(example_microbatch)}
+    if len(sizes) != 1:
+        raise ValueError(f"example_microbatch leaves disagree on the leading (batch) size: {sorted(sizes)}")
+    pre, layer, post, _ = _part_sizes(model, example_microbatch, optimizer, min(_STACK, model.num_layers))
+    layers = tuple(layer._replace(name=f"layer_{i}") for i in range(model.num_layers))
+    return Profile(layers=layers, microbatch_size=int(sizes.pop()), pre=pre, post=post,
+                   name=type(model).__name__, backend="shapes")
+
+
 def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> tuple[_Part, _Part, _Part]:
     """``pre``, a stack of (up to) ``_STACK`` layers and ``post`` with the loss, at ``microbatch``."""
     import jax
@@ -601,21 +725,16 @@ def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) 
     k = min(_STACK, model.num_layers)
     stack_p = jax.tree.map(lambda a: a[:k], params["layers"])
     hidden = jax.jit(model.embed)(pre_p, microbatch)
-
-    def opt_bytes(p: Any) -> float:
-        return _tree_bytes(jax.eval_shape(optimizer.init, p))
+    pre_c, layer_c, post_c, stack_res = _part_sizes(model, microbatch, optimizer, k)
 
     # pre: differentiate w.r.t. its parameters only (the micro-batch is data)
-    f, fb, r = _part_runs(lambda p, x: model.embed(p, x), (pre_p, microbatch), None)
-    pre = _Part(LayerCost("pre", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(pre_p), opt_bytes(pre_p),
-                          _tree_bytes(r)), f, fb, 1)
-    f, fb, r = _part_runs(_stack_forward(model), (stack_p, hidden), None, keep_residuals=True)
-    layer = _Part(LayerCost("layer", 0.0, 0.0, _tree_bytes(hidden), _tree_bytes(stack_p) / k,
-                            opt_bytes(stack_p) / k, _tree_bytes(r) / k), f, fb, k, r)
-    f, fb, r = _part_runs(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
+    f, fb, _ = _part_runs(lambda p, x: model.embed(p, x), (pre_p, microbatch), None)
+    pre = _Part(pre_c, f, fb, 1)
+    f, fb, _ = _part_runs(_stack_forward(model), (stack_p, hidden), None, keep_residuals=True)
+    layer = _Part(layer_c, f, fb, k, stack_res)
+    f, fb, _ = _part_runs(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
                           lambda y: jnp.ones_like(y))
-    post = _Part(LayerCost("post", 0.0, 0.0, 4.0, _tree_bytes(post_p), opt_bytes(post_p), _tree_bytes(r)),
-                 f, fb, 1)
+    post = _Part(post_c, f, fb, 1)
     return pre, layer, post
 
 

@@ -16,9 +16,80 @@ from jpipe.schedules import Costs, simulate
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "1f1b-b")
 
 
+class Memory(NamedTuple):
+    """Predicted bytes on a plan's fullest device, term by term (:func:`predict_memory`).
+
+    What the device stores (``params``, ``optimizer``) plus the compiled step's
+    temporary bytes (:attr:`temp`), the larger of two moments: the loop over ticks
+    (:attr:`loop`: ``gathered`` + ``accumulators`` + ``buffers`` + ``tick`` +
+    ``old_optimizer``) and the end of the step (``reduction``).
+
+    - ``params``, ``optimizer``: the device's shard of the parameters and the optimizer
+      state at the plan's ``shard`` level (stages padded to the largest).
+    - ``gathered``: the whole copies of what is stored split: ``pre`` and ``post`` (shard
+      set), the stage's parameters (``"parameters"``).
+    - ``accumulators``: the float32 gradient accumulators of the stage, ``pre`` and ``post``.
+    - ``buffers``: what the schedule holds -- ``in_depth + 1`` stage inputs, ``res_depth``
+      slots of a chunk's residuals, ``cot_depth + 1`` cotangents, twice (XLA copies the
+      cotangent buffer that a tick both reads and writes).
+    - ``tick``: the largest action's temporaries: a backward's copy of its residual slot
+      (where it loops over more than one layer), its chunk's gradients, a few activations
+      and ``pre``'s gradients; or adding the chunk's gradients into their float32
+      accumulator (the gradients, their float32 sum, and a layer's float32 gradient before
+      its cast where weights are narrower); or the head's forward and gradient on the last
+      stage; plus, with several chunks a device, a copy of the chunk's weights.
+    - ``old_optimizer``: the old optimizer state, copied while the new one is written
+      over it (held through the loop where the state is split).
+    - ``reduction``: the end of the step: the gradients reduced over more than one
+      device and their flat copy, and the old optimizer state (where it is whole, as much of
+      it as the loop's buffers displaced from its donated place).
+
+    >>> m = Memory(params=4.0, optimizer=8.0, gathered=1.0, accumulators=4.0, buffers=2.0, tick=8.0,
+    ...            old_optimizer=2.0, reduction=10.0)
+    >>> m.loop, m.temp, m.total
+    (17.0, 17.0, 29.0)
+    """
+
+    params: float
+    optimizer: float
+    gathered: float
+    accumulators: float
+    buffers: float
+    tick: float
+    old_optimizer: float
+    reduction: float
+
+    @property
+    def loop(self) -> float:
+        """Temporary bytes while the ticks run."""
+        return self.gathered + self.accumulators + self.buffers + self.tick + self.old_optimizer
+
+    @property
+    def temp(self) -> float:
+        """The step's temporary bytes (what ``jpipe.compiled_memory(...)["temp"]`` measures)."""
+        return max(self.loop, self.reduction)
+
+    @property
+    def state(self) -> float:
+        """Bytes stored between steps: the device's parameters and optimizer state."""
+        return self.params + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """What the device holds at the step's peak: state plus temporaries."""
+        return self.state + self.temp
+
+    def explain(self) -> str:
+        """The terms as text, in MiB."""
+        mib = lambda x: f"{x / 2**20:.3f}"
+        terms = ", ".join(f"{k} {mib(v)}" for k, v in self._asdict().items())
+        return f"{mib(self.total)} MiB = state {mib(self.state)} + temp {mib(self.temp)} ({terms})"
+
+
 class Candidate(NamedTuple):
-    """One plan with its predicted step time (s), bubble fraction and peak bytes per device, and its
-    measured step time (s) once :func:`refine` has timed it (else ``None``)."""
+    """One plan with its predicted step time (s), bubble fraction and peak bytes per device (the total
+    of ``terms``, a :class:`Memory`), and its measured step time (s) once :func:`refine` has timed it
+    (else ``None``)."""
 
     plan: Plan
     step_time: float
@@ -26,6 +97,7 @@ class Candidate(NamedTuple):
     memory: float
     fits: bool
     measured: float | None = None
+    terms: Memory | None = None
 
 
 class PlanChoice(NamedTuple):
@@ -145,6 +217,134 @@ def _allreduce(comm: CommCost | None, size: float, n: int) -> float:
     return 0.0 if comm is None else comm.allreduce_time(size, n)
 
 
+def _reduce_scatter(comm: CommCost | None, size: float, n: int) -> float:
+    return 0.0 if comm is None else comm.reduce_scatter_time(size, n)
+
+
+def _all_gather(comm: CommCost | None, size: float, n: int) -> float:
+    return 0.0 if comm is None else comm.all_gather_time(size, n)
+
+
+def _stage(prof: Profile, plan: Plan) -> tuple[int, int]:
+    """(layers a chunk holds, padded to the largest stage; chunks a device holds)."""
+    return max(plan.stage_partition(prof.num_layers)), plan.virtual_stages
+
+
+def _reductions(prof: Profile, plan: Plan, comm: CommCost | None) -> float:
+    """Seconds of the executor's collectives at the ends of a step, for the plan's ``shard`` level.
+
+    Gradients are reduced in float32 (their accumulators' bytes): ``pre``/``post``'s over the whole
+    mesh, the stage's over ``data`` -- all-reduced (``shard=None``) or reduce-scattered to where the
+    optimizer state lives (half the ring traffic). Where ``pre``/``post`` are stored split they are
+    all-gathered whole for the step; the stage's parameters are all-gathered over ``data``: the
+    updated ones at ``"optimizer"`` (stored whole on every data replica), at the step's start at
+    ``"parameters"``. One collective each, whatever the number of tensors.
+    """
+    layers, chunks = _stage(prof, plan)
+    layer = prof.layers[0]
+    io = [p for p in (prof.pre, prof.post) if p is not None]
+    n = plan.pipe * plan.data
+    io_grads = sum(p.accumulator_bytes for p in io)
+    stage_grads = chunks * layers * layer.accumulator_bytes
+    if plan.shard is None:
+        return _allreduce(comm, io_grads, n) + _allreduce(comm, stage_grads, plan.data)
+    io_params = sum(p.param_bytes for p in io)
+    stage_params = chunks * layers * layer.param_bytes
+    return (_reduce_scatter(comm, io_grads, n) + _reduce_scatter(comm, stage_grads, plan.data)
+            + _all_gather(comm, io_params, n) + _all_gather(comm, stage_params, plan.data))
+
+
+def predict_memory(profile: Profile, plan: Plan, global_batch: int) -> Memory:
+    """Predicted bytes on the plan's fullest device: what it stores plus the compiled step's
+    temporaries, term by term (see :class:`Memory`), from the profile's sizes -- parameter,
+    optimizer-state and float32 accumulator bytes of a layer, ``pre`` and ``post`` in their dtypes,
+    and a layer's activation and residual bytes at the plan's micro-batch -- and the schedule's
+    buffer depths. Every device of the mesh runs the same program, so each holds as much.
+
+    Derived from the executor (``jpipe._executor``) and calibrated against
+    ``jpipe.compiled_memory`` on CPU: within 10 % of the measured state plus temp on the plans
+    of ``tests/test_planner_memory.py``.
+
+    >>> from jpipe.partition import LayerCost, Profile
+    >>> layer = LayerCost("l", 0, 0, activation_bytes=1e3, param_bytes=1e6, optimizer_bytes=2e6,
+    ...                   residual_bytes=3e3)
+    >>> prof = Profile(layers=(layer,) * 8, microbatch_size=4)
+    >>> m = predict_memory(prof, Plan(pipe=4, data=2, microbatches=4, shard="optimizer"), 32)
+    >>> m.params, m.optimizer, m.accumulators       # 2 layers a stage; the state split over data
+    (2000000.0, 2000000.0, 2000000.0)
+    >>> m.tick == 2 * 2e6                           # the chunk's gradients and their float32 sum
+    True
+    """
+    b = global_batch / (plan.data * plan.microbatches)
+    prof = profile.scaled(b)
+    layers, chunks = _stage(prof, plan)
+    layer = prof.layers[0]
+    table = plan._generate_table()
+    n, data, shard = plan.pipe * plan.data, plan.data, plan.shard
+    pre_p = 0.0 if prof.pre is None else prof.pre.param_bytes
+    post_p = 0.0 if prof.post is None else prof.post.param_bytes
+    io = [p for p in (prof.pre, prof.post) if p is not None]
+    io_params = pre_p + post_p
+    io_opt = sum(p.optimizer_bytes for p in io)
+    io_grads = sum(p.accumulator_bytes for p in io)
+    stage_params = chunks * layers * layer.param_bytes      # padded to the largest stage
+    stage_opt = chunks * layers * layer.optimizer_bytes
+    stage_grads = chunks * layers * layer.accumulator_bytes
+    # what a device stores (jpipe._sharding): pre/post and optimizer state over the whole mesh once split
+    if shard is None:
+        params, optimizer = io_params + stage_params, io_opt + stage_opt
+    elif shard == "optimizer":
+        params, optimizer = io_params / n + stage_params, io_opt / n + stage_opt / data
+    else:
+        params, optimizer = io_params / n + stage_params / data, io_opt / n + stage_opt / data
+    # what is stored split is gathered whole for the step (nothing is split on one device; stages over data)
+    split_stages = shard == "parameters" and data > 1
+    gathered = (io_params if shard is not None and n > 1 else 0.0) + (stage_params if split_stages else 0.0)
+    accumulators = stage_grads + io_grads
+    act = layer.activation_bytes
+    # one micro-batch's residuals of a chunk; with stages of unequal lengths every layer runs masked
+    # (a lax.cond, whose residuals keep the layer's weights too)
+    uneven = len(set(plan.stage_partition(prof.num_layers))) > 1
+    chunk_res = layers * (layer.residual_bytes + (layer.mask_bytes if uneven else 0.0))
+    res_slots = 0 if plan.remat else table.res_depth
+    buffers = (table.in_depth + 1) * act + res_slots * chunk_res + 2 * (table.cot_depth + 1) * act
+    # the largest action: a backward holds the chunk's gradients, pre's gradient (or its zeros on later
+    # stages), a few activations, and, where its loop over layers runs more than once, a copy of its
+    # residual slot out of the stash (a run-time index; with one slot the copy folds away; with remat
+    # the residuals are recomputed) ...
+    looped = layers > 1
+    slot = chunk_res if looped and (plan.remat or table.res_depth > 1) else 0.0
+    chunk_params, chunk_grads = layers * layer.param_bytes, layers * layer.accumulator_bytes
+    backward = slot + chunk_params + pre_p + _TICK_ACTIVATIONS * act
+    # ... then adds them into the float32 accumulator: the gradients, their float32 sum, and, for
+    # weights narrower than float32 in a loop over layers, a layer's float32 gradient before its cast ...
+    narrow = layer.accumulator_bytes != layer.param_bytes
+    accumulate = chunk_params + chunk_grads + (layer.accumulator_bytes if looped and narrow else 0.0)
+    # ... or the last stage's forward runs the head and its gradient
+    head = 0.0 if prof.post is None else prof.post.residual_bytes + post_p + 2 * act
+    # (with several chunks a device, the chunk's weights are a run-time slice of the stack: a copy)
+    tick = max(backward, accumulate, head) + (chunk_params if chunks > 1 else 0.0)
+    # the old optimizer state is copied while the new one is written over it: through the loop where
+    # it is split (at "parameters", with the parameters split alike, about half of it); where it is
+    # whole, XLA puts the loop's buffers in its donated place meanwhile and the copy counts at the end
+    split_opt = (io_opt / n if shard is not None and n > 1 else 0.0) + \
+        (stage_opt / data if shard is not None and data > 1 else 0.0)
+    old_optimizer = split_opt * (0.5 if split_stages else 1.0)
+    # the end of the step: each reduced group of gradients (over more than one device) and its flat copy,
+    # with the old optimizer state -- where it is whole, as much of it as the loop displaced (the
+    # accumulators and a chunk's gradients)
+    reduced = (io_grads if n > 1 else 0.0) + (stage_grads if data > 1 else 0.0)
+    displaced = optimizer if shard is not None else min(optimizer, accumulators + chunk_params)
+    reduction = 2 * reduced + displaced
+    return Memory(float(params), float(optimizer), float(gathered), float(accumulators), float(buffers),
+                  float(tick), float(old_optimizer), float(reduction))
+
+
+# activations a backward holds beyond its residuals (the cotangents in and out, a layer's intermediates,
+# the tick's zeros); calibrated against compiled_memory on CPU (6.5-8 for the MLP's, 16 for the GPT's)
+_TICK_ACTIVATIONS = 8
+
+
 def _contention(contention: float, pipe: int, data: int) -> list[float] | None:
     """The simulator's factor per number of stages computing in a tick (each on ``data`` devices), from a
     profile timed with all ``pipe x data`` devices computing, ``contention`` times slower than one alone:
@@ -168,9 +368,10 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     schedule holds more than one micro-batch's residuals on a device, every forward and backward
     also pays one copy of a stash slot (``profile.stash_copy``). Where devices slow each other
     down (``profile.contention`` > 1), a tick in which only some stages compute charges their
-    actions less than the profiled cost (:func:`_contention`). Memory counts weights,
-    gradients and optimizer state (stages padded to the largest, ``pre`` and
-    ``post`` on every device) and the micro-batches the schedule holds.
+    actions less than the profiled cost (:func:`_contention`). The collectives at the ends of
+    the step follow the plan's ``shard`` level (:func:`_reductions`). Memory is
+    :func:`predict_memory`'s total: what the fullest device stores at the plan's ``shard`` level plus
+    the compiled step's temporaries (the candidate's ``terms`` break it down).
     """
     comm = profile.comm if comm is None else comm
     b = global_batch / (plan.data * plan.microbatches)
@@ -190,25 +391,14 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick,
                                 contention=_contention(profile.contention, plan.pipe, plan.data)), mode="lockstep")
     io = [p for p in (prof.pre, prof.post) if p is not None]
-    io_params = sum(p.param_bytes for p in io)
-    io_opt = sum(p.optimizer_bytes for p in io)
-    stage_params = max_layers * layer.param_bytes
-    # the executor's end of step: one psum of pre/post gradients (and the loss) over `pipe`, then
-    # one all-reduce of every gradient over `data` (one call each, whatever the number of tensors)
-    reduce = _allreduce(comm, io_params, plan.pipe) + _allreduce(comm, stage_params + io_params, plan.data)
+    # the executor's ends of step: gradients reduced (or reduce-scattered), split weights gathered
+    reduce = _reductions(prof, plan, comm)
     # then every device runs the optimizer on its stage's layers and on pre and post
     update = max_layers * layer.update + sum(p.update for p in io)
     step = sim.makespan + reduce + update + profile.step_overhead_at(b)
-    held = sim.peak_held
-    worst = 0.0
-    for s, count in enumerate(partition):
-        acts = held[s] * (count * layer.residual_bytes + hidden_bytes * 2)
-        if s == 0 and prof.pre is not None:
-            acts += held[s] * prof.pre.residual_bytes
-        worst = max(worst, acts)
-    memory = 2 * (stage_params + io_params) + max_layers * layer.optimizer_bytes + io_opt + worst
+    terms = predict_memory(profile, plan, global_batch)
     bubble = float(sim.bubble_fraction)
-    return Candidate(plan, float(step), bubble, float(memory), True)
+    return Candidate(plan, float(step), bubble, float(terms.total), True, terms=terms)
 
 
 def microbatch_sizes(num_devices: int, global_batch: int, max_microbatches: int = 64) -> list[int]:
