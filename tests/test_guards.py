@@ -204,8 +204,9 @@ def test_checkpoint_of_another_model(saved):
 
 def test_damaged_array_file(saved, tmp_path, live):
     directory = _copy(saved, tmp_path / "ckpt")
-    data = max((p for p in directory.rglob("*") if p.is_file() and "ocdbt.process" in str(p)),
-               key=lambda p: p.stat().st_size)
+    # the largest data file of the merged OCDBT database that restore reads (<item>/d/...)
+    data = max((p for p in directory.rglob("*") if p.is_file() and p.parent.name == "d"
+                and p.parent.parent.name in ("params", "state")), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))
