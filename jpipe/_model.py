@@ -215,13 +215,6 @@ class Staged:
         return self.head_loss(params["post"], h, batch)
 
 
-def stack_layers(params: Params) -> Params:
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    return {**params, "layers": layers}
-
-
 def unstack_layers(params: Params) -> Params:
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
