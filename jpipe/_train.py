@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,21 @@ from jpipe._executor import Executor, Layout, batch_spec
 from jpipe._mesh import PIPE, make_mesh
 from jpipe._model import Params, PyTree, Staged
 from jpipe._plan import Plan
+
+
+def per_program(build):
+    """Caches ``build(program)`` for as long as the program lives (a ``functools.cache`` would keep
+    every program, and what its jitted functions hold, alive for the whole process)."""
+    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(build)
+    def get(program):
+        value = cache.get(program)
+        if value is None:
+            value = cache[program] = build(program)
+        return value
+
+    return get
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -453,7 +469,7 @@ def _replicated(mesh: Mesh) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
 
 
-@functools.cache
+@per_program
 def _layer_taker(program: Program) -> Any:
     """``take(stages, d, c, j)``: one layer, replicated; only that layer moves between devices."""
     specs = jax.tree.map(lambda s: s.spec, program.shardings[0]["stages"])
@@ -473,7 +489,7 @@ def _layer_taker(program: Program) -> Any:
                                  check_vma=False))
 
 
-@functools.cache
+@per_program
 def _sequential_converter(program: Program) -> Any:
     layout, mesh = program.layout, program.mesh
     positions = layout.positions()

@@ -2,15 +2,17 @@
 
 A :class:`Checkpointer` saves every ``every`` steps (asynchronously: training
 goes on while orbax writes), keeps the last ``keep`` and restores onto any
-plan. Nothing is gathered: every array is saved split over the whole mesh, and each
-process writes only its own shards. Each layer of a stage stack (parameters
-and the optimizer-state leaves that mirror them) is its own array,
+plan. Nothing is gathered: every array is saved sharded, and each process
+writes only its own shards. Each layer of a stage stack (parameters and the
+optimizer-state leaves that mirror them) is its own array,
 ``params['layers'][i]...``, so the checkpoint is the sequential model whatever
 the plan. Restoring onto a plan reads each device's shards and moves every
 layer to the devices of its new stage in one program: a run saved with
 pipe=4, data=2 resumes with pipe=2, data=4, or any other partition or
-``Plan.shard`` level, bit for bit, and no device ever holds more than its
-own share.
+``Plan.shard`` level, bit for bit, and no device holds much more than its own
+share on the way (the programs' temp bytes are at most about one share). A
+synchronous checkpoint also restores onto co-located pipelines (AvgPipe):
+every pipeline starts from it.
 
 Orbax writes each checkpoint to a temporary directory and renames it when
 complete, so a write cut short (a killed process) is never listed; on top, a
@@ -42,6 +44,7 @@ function of ``state.step``, or pass it in ``extra``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Sequence
@@ -52,11 +55,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpipe import _sharding
-from jpipe._mesh import PIPE
+from jpipe._executor import Layout
+from jpipe._mesh import DATA, PIPE
 from jpipe._model import PyTree, Staged
 from jpipe._plan import Plan
 from jpipe._train import TrainState, _check_batch, _microbatch, abstract_state, init
@@ -85,10 +89,15 @@ def _fingerprint(a: jax.Array) -> jax.Array:
     if a.dtype == jnp.bool_:
         a = a.astype(jnp.uint8)
     bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[a.dtype.itemsize]
-    words = jax.lax.bitcast_convert_type(a, bits).astype(jnp.uint32).reshape(-1)
-    index = jnp.arange(words.shape[0], dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(a, bits).astype(jnp.uint32)
+    # The row-major index of every element, built from iotas rather than by flattening, which would
+    # regather an array split on any axis but the first.
+    index, stride = jnp.zeros((), jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
     weights = index * jnp.uint32(2654435761) * jnp.uint32(2) + jnp.uint32(1)  # odd: no bit flip cancels
-    return jnp.sum(words * weights, dtype=jnp.uint32) ^ jnp.uint32(words.shape[0])
+    return jnp.sum(words * weights, dtype=jnp.uint32) ^ jnp.uint32(words.size % 2**32)
 
 
 _fingerprints = jax.jit(lambda xs: [_fingerprint(x) for x in xs])
@@ -226,7 +235,10 @@ class Checkpointer:
         """
         step = self._pick(step)
         meta = self.metadata(step)
-        if plan.pipelines > 1 or plan.averaging is not None:  # AvgPipe builds its own state
+        if plan.pipelines > 1 or plan.averaging is not None:
+            if meta["plan"].get("pipelines", 1) == 1:  # a synchronous run: every pipeline starts from it
+                return self._restore_into_pipelines(model, plan, optimizer, example_batch, step, devices,
+                                                    nan_policy)
             fresh = init(model, plan, optimizer, example_batch, rng=jax.random.key(0), devices=devices,
                          nan_policy=nan_policy)
             return self.restore_like(fresh, step=step)
@@ -238,6 +250,22 @@ class Checkpointer:
         # The new plan's state as shape structs: every array is then read straight into its shards.
         return self.restore_like(abstract_state(model, plan, optimizer, example_batch, devices=devices,
                                                 nan_policy=nan_policy), step=step)
+
+    def _restore_into_pipelines(self, model: Staged, plan: Plan, optimizer: optax.GradientTransformation,
+                                example_batch: PyTree, step: int, devices: Sequence[jax.Device] | None,
+                                nan_policy: str) -> TrainState:
+        """A synchronous checkpoint onto co-located pipelines (AvgPipe): restored onto the synchronous
+        plan with the same devices and stages, then copied into every pipeline on its own devices."""
+        from jpipe.averaging import _ensemble
+
+        sync_plan = dataclasses.replace(plan, pipelines=1, averaging=None, shard="parameters",
+                                        partition=plan.stage_partition(model.num_layers))
+        # Any batch of the synchronous plan's shape: only its shapes are used.
+        one = _ensemble.batch_slice(example_batch, 0)
+        sync_batch = jax.tree.map(lambda a: jnp.concatenate([jnp.asarray(a)] * plan.data), one)
+        sync = self.restore(model, sync_plan, optimizer, sync_batch, step=step, devices=devices,
+                            nan_policy=nan_policy)
+        return _ensemble.from_synchronous(sync, plan, optimizer, example_batch)
 
     def restore_like(self, state: TrainState, *, step: int | None = None) -> TrainState:
         """Restores into the plan, model and optimizer of an existing ``state`` (no new ``jpipe.init``).
@@ -342,53 +370,151 @@ def _entries_of(state: TrainState) -> list[_Entry]:
     return out
 
 
-class _Converter:
-    """A plan's two programs between its state and the checkpoint's arrays, each array split over the
-    whole mesh on its largest axis that the devices divide (whole where none does).
+class _StageMove(NamedTuple):
+    """How one stage leaf's layers travel between the state's stack and the checkpoint's arrays.
 
-    Both are compiled for the whole mesh, so every process runs them and every array they give is a
-    global one that orbax can write shard by shard (orbax refuses arrays that live on one process's
-    devices only, as a layer on its stage's devices may). XLA moves each layer between its stage's
-    devices and its split. Its temporaries are not yet bounded by a device's share: on the 10.5 M
-    parameter GPT at pipe 4 x data 2, saving takes 3.5x a device's share of the state in temp bytes
-    and restoring about the whole state (XLA gathers the stacks it rebuilds)."""
+    A layer lives on its ``pipe`` row (split over ``data`` on ``data_axis`` where
+    the plan shards it). In the checkpoint it is split over ``pipe`` as well, on
+    ``pipe_axis``: the ``P`` layers at the same ``(chunk, j)`` of the ``P`` rows
+    then trade pieces in one ``all_to_all``, so a device never holds more than
+    its share plus one such group of pieces. With no axis that ``pipe`` divides,
+    the layers are gathered over ``pipe`` instead (small leaves: biases of odd size).
+    """
+
+    spec: P  # of the stage stack
+    data_axis: int | None  # layer axis split over `data`
+    pipe_axis: int | None  # layer axis split over `pipe` in the checkpoint; None: gathered over `pipe`
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], spec: P, mesh: Mesh) -> _StageMove:
+        layer = shape[_sharding.STAGE_HEAD:]
+        data_axis = next((i - _sharding.STAGE_HEAD for i, n in enumerate(spec)
+                          if i >= _sharding.STAGE_HEAD and n is not None), None)
+        local = [n // (mesh.shape[DATA] if i == data_axis else 1) for i, n in enumerate(layer)]
+        if data_axis is not None and _sharding.shard_axis((local[data_axis],), mesh.shape[PIPE]) is not None:
+            pipe_axis = data_axis  # split the data pieces further
+        else:
+            pipe_axis = _sharding.shard_axis(tuple(n if i != data_axis else 0 for i, n in enumerate(local)),
+                                             mesh.shape[PIPE])
+        return cls(spec, data_axis, pipe_axis)
+
+    def layer_spec(self, ndim: int) -> P:
+        spec: list[Any] = [None] * ndim
+        if self.data_axis is not None:
+            spec[self.data_axis] = DATA
+        if self.pipe_axis is not None:
+            spec[self.pipe_axis] = (DATA, PIPE) if self.pipe_axis == self.data_axis else PIPE
+        return P(*spec)
+
+    def to_layers(self, stack: jax.Array, layout: Layout) -> list[jax.Array]:
+        """Inside ``shard_map``: this device's ``[1, chunks, J, ...]`` stack -> its piece of every layer."""
+        pieces = {}
+        for c in range(layout.num_chunks):
+            for j in range(layout.max_layers):
+                mine = stack[0, c, j]
+                if self.pipe_axis is None:
+                    rows = jax.lax.all_gather(mine, PIPE)
+                else:
+                    rows = jax.lax.all_to_all(mine[None], PIPE, self.pipe_axis + 1, 0, tiled=True)
+                for d in range(layout.num_devices):
+                    pieces[d, c, j] = rows[d]
+        return [pieces[p] for p in layout.positions()]
+
+    def from_layers(self, layers: list[jax.Array], layout: Layout) -> jax.Array:
+        """The inverse of :meth:`to_layers`: pieces of every layer -> this device's stack."""
+        by_position = dict(zip(layout.positions(), layers, strict=True))
+        like = layers[0]
+        stack = None
+        for c in range(layout.num_chunks):
+            for j in range(layout.max_layers):
+                rows = jnp.stack([by_position.get((d, c, j), jnp.zeros_like(like))
+                                  for d in range(layout.num_devices)])
+                if self.pipe_axis is None:
+                    slot = rows[jax.lax.axis_index(PIPE)]
+                else:
+                    slot = jax.lax.all_to_all(rows, PIPE, 0, self.pipe_axis + 1, tiled=True)[0]
+                if stack is None:  # written in place, one slot at a time
+                    stack = jnp.zeros((1, layout.num_chunks, layout.max_layers, *slot.shape), slot.dtype)
+                stack = stack.at[0, c, j].set(slot)
+        return stack
+
+
+class _Converter:
+    """A plan's two programs between its state and the checkpoint's arrays.
+
+    Both are compiled for the whole mesh, so every process runs them and every
+    array they give is a global one that orbax writes shard by shard (orbax
+    refuses arrays that live on one process's devices only, as a layer on its
+    stage's devices would). Leaves outside the stage stacks keep the state's
+    sharding; each layer of a stack is split over ``pipe`` and ``data`` (see
+    :class:`_StageMove`), and moves with explicit collectives, so neither
+    program holds more than about one device's share of the state in temp bytes.
+    """
 
     def __init__(self, state: TrainState) -> None:
         program = state.program
-        mesh, positions, slots = program.mesh, program.layout.positions(), program.layout.slots()
+        mesh, layout = program.mesh, program.layout
         entries = _entries_of(state)
-        self.shapes = [jax.ShapeDtypeStruct(e.shape, e.leaf.dtype) for e in entries]
-        self.shardings = [NamedSharding(mesh, _sharding.edge_spec(e.shape, mesh.size)) for e in entries]
-        stage_flags = [_is_stage(s) for s in jax.tree.leaves(program.shardings)]
-        likes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((state.params, state.opt_state))]
+        leaves = jax.tree.leaves((state.params, state.opt_state))
+        shardings = jax.tree.leaves(program.shardings)
         treedef = jax.tree.structure((state.params, state.opt_state))  # no reference to the arrays
-        replicated = NamedSharding(mesh, P())
+        self.shapes = [jax.ShapeDtypeStruct(e.shape, e.leaf.dtype) for e in entries]
+        moves = [_StageMove.of(tuple(a.shape), s.spec, mesh) if _is_stage(s) else None
+                 for a, s in zip(leaves, shardings, strict=True)]
+        stage_specs = [m.spec for m in moves if m is not None]
+        layer_specs = [m.layer_spec(len(a.shape) - _sharding.STAGE_HEAD)
+                       for a, m in zip(leaves, moves) if m is not None]
+        count = len(layout.positions())
+        self.shardings = []  # of each checkpoint array, in entry order
+        for a, s, m in zip(leaves, shardings, moves):
+            if m is None:
+                self.shardings.append(s)
+            else:
+                self.shardings += [NamedSharding(mesh, m.layer_spec(len(a.shape) - _sharding.STAGE_HEAD))] * count
+        stage_moves = [m for m in moves if m is not None]
+
+        def split(stacks: list) -> list:
+            return [layer for stack, m in zip(stacks, stage_moves) for layer in m.to_layers(stack, layout)]
+
+        def join(layers: list) -> list:
+            return [m.from_layers(layers[i * count:(i + 1) * count], layout) for i, m in enumerate(stage_moves)]
+
+        split_map = jax.shard_map(split, mesh=mesh, in_specs=(stage_specs,),
+                                  out_specs=[s for s in layer_specs for _ in range(count)], check_vma=False)
+        join_map = jax.shard_map(join, mesh=mesh, in_specs=([s for s in layer_specs for _ in range(count)],),
+                                 out_specs=stage_specs, check_vma=False)
 
         def to_checkpoint(params: PyTree, opt_state: PyTree):
+            flat = jax.tree.leaves((params, opt_state))
+            layers = iter(split_map([a for a, m in zip(flat, moves) if m is not None]))
             arrays = []
-            for leaf, stage in zip(jax.tree.leaves((params, opt_state)), stage_flags, strict=True):
-                arrays += [leaf[p] for p in positions] if stage else [leaf]
+            for a, m in zip(flat, moves):
+                arrays += [a] if m is None else [next(layers) for _ in range(count)]
             return arrays, [_fingerprint(a) for a in arrays]
 
-        def from_checkpoint(arrays: list):
-            it = iter(arrays)
-            leaves = []
-            for stage, like, sharding in zip(stage_flags, likes, jax.tree.leaves(program.shardings), strict=True):
-                if not stage:
-                    leaves.append(next(it))
-                    continue
-                # Layer by layer into a stack that is already split as the plan keeps it: XLA then
-                # moves one layer at a time (a concatenation would be rebuilt whole on every device).
-                stack = jax.lax.with_sharding_constraint(jnp.zeros(like.shape, like.dtype), sharding)
-                for p in positions:
-                    stack = stack.at[p].set(next(it))
-                leaves.append(stack)
-            params, opt_state = jax.tree.unflatten(treedef, leaves)
-            return params, opt_state, [_fingerprint(a) for a in arrays]
+        kept_mask = [m is None for m in moves for _ in range(1 if m is None else count)]
 
+        def from_checkpoint(kept: list, layers: list):
+            kept_it, stacks = iter(kept), iter(join_map(layers))
+            flat = [next(kept_it) if m is None else next(stacks) for m in moves]
+            params, opt_state = jax.tree.unflatten(treedef, flat)
+            kept_it, layers_it = iter(kept), iter(layers)
+            return params, opt_state, [_fingerprint(next(kept_it if k else layers_it)) for k in kept_mask]
+
+        replicated = NamedSharding(mesh, P())
         self.to_checkpoint = jax.jit(to_checkpoint, out_shardings=(self.shardings, replicated))
-        self.from_checkpoint = jax.jit(from_checkpoint,
-                                       out_shardings=(*program.shardings, replicated))
+        # The kept arrays, just read, are donated: they become the state's leaves without a copy.
+        self.join = jax.jit(from_checkpoint, out_shardings=(*program.shardings, replicated), donate_argnums=0)
+        self._kept_mask = kept_mask
+
+    def split_read(self, arrays: list) -> tuple[list, list]:
+        """The arrays read, in entry order -> ``join``'s arguments: (kept leaves, layers of the stacks)."""
+        return ([a for a, k in zip(arrays, self._kept_mask) if k],
+                [a for a, k in zip(arrays, self._kept_mask) if not k])
+
+    def from_checkpoint(self, arrays: list) -> tuple[PyTree, PyTree, list]:
+        """The arrays read (donated) -> ``(params, opt_state, fingerprints)`` of the plan."""
+        return self.join(*self.split_read(arrays))
 
 
 _CONVERTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -182,3 +182,33 @@ def test_sigkill_mid_write_then_resume_is_bit_identical(tmp_path):
         resumed[int(state.step)] = float(metrics["loss"]).hex()
     assert resumed == {s: reference[s] for s in range(HANG_AT - EVERY + 1, STEPS + 1)}
     assert killed_losses == {s: reference[s] for s in killed_losses}
+
+
+def test_synchronous_checkpoint_restores_into_colocated_pipelines(tmp_path):
+    """4x2... -> AvgPipe: every pipeline and the centre start from the synchronous run's parameters,
+    every pipeline's optimizer state from its optimizer state, and the step count goes on."""
+    from jpipe import averaging
+
+    model = make_model("nnx", num_layers=4)
+    state = jpipe.init(model, jpipe.Plan(2, 2, 2), optax.adam(LR), batch_for(0), rng=jax.random.key(0),
+                       devices=jax.devices()[:4])
+    for step in range(2):
+        state, _ = jpipe.train_step(state, batch_for(step))
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, force=True)
+        ckpt.wait()
+        plan = jpipe.Plan(2, 2, 2, pipelines=2)
+        batch = averaging.stack_batches([make_batch(4, seed=r) for r in range(4)])  # [B, 2 x 2 pipelines]
+        pipelines = ckpt.restore(model, plan, optax.adam(LR), batch, devices=jax.devices()[:4])
+    assert int(pipelines.step) == 2 and pipelines.plan.pipelines == 2
+    params = jpipe.to_sequential(state)
+    mu = jpipe.to_sequential(state.replace(params=state.opt_state[0].mu))
+    assert_same_bits(averaging.centre(pipelines), params)
+    copies = averaging.replicas(pipelines)
+    mus = averaging.replicas(pipelines.replace(params=pipelines.opt_state[0][0].mu))
+    assert len(copies) == len(mus) == 4
+    for copy, copy_mu in zip(copies, mus):
+        assert_same_bits(copy, params)
+        assert_same_bits(copy_mu, mu)
+    pipelines, metrics = jpipe.train_step(pipelines, batch)
+    assert np.isfinite(float(metrics["loss"])) and int(pipelines.step) == 3

@@ -216,3 +216,20 @@ def test_saving_writes_each_array_as_it_is_sharded(tmp_path):
     layer3 = arrays[f"p{index:05d}"]
     assert layer3.shape == (16, 48) and len(layer3.sharding.device_set) == 8
     assert {s.data.shape for s in layer3.addressable_shards} == {(16, 6)}  # an eighth on each device
+
+
+@pytest.mark.parametrize("pipe,data,shard", [(4, 2, "parameters"), (2, 4, "optimizer"), (8, 1, None)],
+                         ids=lambda v: str(v))
+def test_saving_and_restoring_hold_about_one_devices_share(pipe, data, shard):
+    """The programs between the state and the checkpoint's arrays move one group of layers at a time:
+    their temp bytes stay near a device's share of the state, never the whole model."""
+    from jpipe import checkpoint
+
+    state = gpt_state(pipe, data, shard)
+    share = max(per_device_bytes((state.params, state.opt_state)).values())
+    conv = checkpoint._converter(state)
+    save = conv.to_checkpoint.lower(state.params, state.opt_state).compile().memory_analysis()
+    arrays, _ = conv.to_checkpoint(state.params, state.opt_state)
+    restore = conv.join.lower(*conv.split_read(arrays)).compile().memory_analysis()
+    assert save.temp_size_in_bytes <= 1.0 * share, save.temp_size_in_bytes / share
+    assert restore.temp_size_in_bytes <= 1.5 * share, restore.temp_size_in_bytes / share

@@ -56,7 +56,7 @@ from jpipe._train import (
     _init_pipelined,
     place_params,
 )
-from jpipe.averaging._elastic import ElasticAveraging, ElasticState, per_replica
+from jpipe.averaging._elastic import ElasticAveraging, ElasticState, _state_axes, per_replica
 
 # Where the replica axis sits in the pipelined layout: pre/post are [N, ...]; stage stacks are
 # [devices, chunks, layers per chunk, N, ...].
@@ -263,6 +263,18 @@ def init(
     else:
         _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
         single = place_params(params, layout, single_shardings)
+    return _assemble(ens, plan, optimizer, averaging, single, None, mesh, layout, table, example_batch,
+                     microbatch, nan_policy)
+
+
+def _assemble(ens: Staged, plan: Plan, optimizer: optax.GradientTransformation, averaging: ElasticAveraging,
+              single: Params, single_opt: PyTree | None, mesh: jax.sharding.Mesh, layout: Layout, table,
+              example_batch: PyTree, microbatch: PyTree, nan_policy: str) -> TrainState:
+    """The ensemble's state from one pipelined model ``single`` (split over the mesh as ``Plan.shard=
+    "parameters"`` keeps it): every replica starts from it, and so does the centre. ``single_opt``, if
+    given, is that model's optimizer state (a synchronous run's), which every replica then starts
+    from; otherwise each replica's optimizer state is fresh."""
+    total = plan.pipelines * plan.data
     replicated = jax.eval_shape(functools.partial(_replicas, total), single)
     param_shardings = _sharding.param_shardings(replicated, mesh, None, replicas=True)
     pipelined = jax.jit(functools.partial(_replicas, total), out_shardings=param_shardings)(single)
@@ -273,10 +285,36 @@ def init(
     centre_shape = jax.eval_shape(full.init, pipelined)[1].centre
     shardings = (_sharding.opt_shardings(inner, pipelined, mesh, None, replicas=True, mirrors=optimizer),
                  ElasticState(NamedSharding(mesh, P()), _sharding.param_shardings(centre_shape, mesh, None)))
-    opt_state = jax.jit(full.init, out_shardings=shardings)(pipelined)
 
+    def opt_init(pipelined: Params, single_opt: PyTree | None) -> PyTree:
+        fresh = full.init(pipelined)
+        if single_opt is None:
+            return fresh
+        axes = _state_axes(REPLICA_AXIS, jax.eval_shape(optimizer.init, single))
+        copies = jax.vmap(lambda _, s: s, in_axes=(0, None), out_axes=axes)(jnp.arange(total), single_opt)
+        return copies, fresh[1]
+
+    opt_state = jax.jit(opt_init, out_shardings=shardings)(pipelined, single_opt)
     return _new_state(ens, plan, full, table, layout, mesh, pipelined, opt_state, example_batch, microbatch,
                       nan_policy, replicas_over_data=True, shardings=(param_shardings, shardings))
+
+
+def from_synchronous(sync: TrainState, plan: Plan, optimizer: optax.GradientTransformation,
+                     example_batch: PyTree) -> TrainState:
+    """AvgPipe's state for ``plan`` from a synchronous one on the same devices and stage partition (as
+    :meth:`jpipe.checkpoint.Checkpointer.restore` builds it from a synchronous checkpoint): every
+    pipeline and the centre start from ``sync``'s parameters, every pipeline's optimizer state from
+    ``sync``'s, and the step count goes on."""
+    program = sync.program
+    if sync.plan.pipelines > 1 or sync.plan.shard != "parameters":
+        raise ValueError("from_synchronous takes a synchronous state with Plan.shard='parameters'")
+    plan = dataclasses.replace(plan, shard=None, averaging=plan.averaging or ElasticAveraging())
+    size = _check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
+    microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
+    state = _assemble(ensemble(program.model, plan.pipelines), plan, optimizer, plan.averaging, sync.params,
+                      sync.opt_state, program.mesh, program.layout, plan.table(), example_batch, microbatch,
+                      program.nan_policy)
+    return state.replace(step=sync.step, skipped_steps=sync.skipped_steps)
 
 
 def _elastic_state(state: TrainState) -> ElasticState:
