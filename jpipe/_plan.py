@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jpipe.schedules import Table, fuse_ticks, get_schedule, validate
 
 SHARD_LEVELS = (None, "optimizer", "parameters")
@@ -84,7 +86,11 @@ class Plan:
                 f"Plan.schedule must be a schedule name or a function (devices, microbatches) -> "
                 f"Table, got {self.schedule!r}")
         if self.partition is not None:
-            object.__setattr__(self, "partition", tuple(int(n) for n in self.partition))
+            entries = tuple(self.partition)
+            if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in entries):
+                raise ValueError(f"Plan.partition must be whole layer counts per stage, got {self.partition!r}; "
+                                 f"give ints such as (3, 3, 2)")
+            object.__setattr__(self, "partition", tuple(int(n) for n in entries))
         if self.shard == "auto":
             object.__setattr__(self, "shard", None if self.pipelines > 1 else DEFAULT_SHARD)
         if self.shard not in SHARD_LEVELS:
@@ -93,8 +99,9 @@ class Plan:
             raise ValueError(
                 f"Plan.shard={self.shard!r} with pipelines={self.pipelines}: co-located pipelines keep "
                 f"each replica's state on its own data device already; use shard=None")
-        if not isinstance(self.fuse_ticks, bool):
-            raise ValueError(f"Plan.fuse_ticks must be True or False, got {self.fuse_ticks!r}")
+        for name in ("remat", "fuse_ticks"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def num_devices(self) -> int:

@@ -346,12 +346,14 @@ def _train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str,
     metrics = {"loss": loss}
     skipped = state.skipped_steps
     if program.nan_policy != "ignore":
-        # A non-finite batch, loss or gradient leaves parameters and optimizer state as they were.
-        finite = _all_finite(batch) & jnp.isfinite(loss) & _all_finite(grads)
+        # A non-finite batch, loss, gradient or updated parameter (a learning rate too high) leaves
+        # parameters and optimizer state as they were.
+        inputs_finite = _all_finite(batch) & jnp.isfinite(loss) & _all_finite(grads)
+        finite = inputs_finite & _all_finite(params)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         skipped = (jnp.zeros((), jnp.int32) if skipped is None else skipped) + (~finite).astype(jnp.int32)
-        metrics.update(finite=finite, skipped_steps=skipped)
+        metrics.update(finite=finite, skipped_steps=skipped, update_finite=~inputs_finite | finite)
     params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), program.shardings)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped)
     return new, metrics
@@ -371,12 +373,25 @@ def _nonfinite_message(state: TrainState, batch: PyTree, metrics: dict[str, jax.
         cause = f"the batch has NaN or inf in {', '.join(bad)} (loss {loss})"
     elif not np.isfinite(loss):
         cause = f"the loss is {loss}"
+    elif not bool(metrics["update_finite"]):
+        cause = (f"the loss ({loss}) and the gradients are finite but the update made a parameter NaN or "
+                 f"inf: lower the learning rate")
     else:
         cause = f"a gradient is NaN or inf (loss {loss})"
     return (f"non-finite values at step {step}: {cause}. The update was not applied; the state "
             f"without it is this error's .state. Check the data and the learning rate, or pass "
             f"nan_policy='skip' to jpipe.init to skip such steps and count them in "
             f"metrics['skipped_steps']")
+
+
+def _check_not_donated(state: TrainState, what: str) -> None:
+    """A state already passed to ``train_step`` has given its arrays to the new state (jaxlib would
+    crash on them on several devices): refuse it by name."""
+    first = jax.tree.leaves(state.params)[0]
+    if isinstance(first, jax.Array) and first.is_deleted():
+        raise ValueError(f"{what} got a TrainState that an earlier train_step already consumed (its arrays "
+                         f"were donated to the state that call returned); use the returned state: "
+                         f"state, metrics = jpipe.train_step(state, batch)")
 
 
 class _TrainStep:
@@ -400,6 +415,7 @@ class _TrainStep:
         if not isinstance(state, TrainState):
             raise TypeError(f"train_step takes a jpipe.TrainState (from jpipe.init) as its first argument, "
                             f"got {type(state).__name__}")
+        _check_not_donated(state, "train_step")
         new, metrics = self._jitted(state, batch)
         if state.program.nan_policy == "raise" and not bool(metrics["finite"]):
             raise NonFiniteError(_nonfinite_message(new, batch, metrics), int(new.step), new)

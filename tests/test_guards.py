@@ -90,6 +90,16 @@ def test_bad_partition(model, partition, message):
                    rng=jax.random.key(0), devices=DEVICES)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"partition": (2.5, 1.5)}, r"Plan.partition must be whole layer counts per stage, got \(2.5, 1.5\)"),
+    ({"remat": "no"}, r"Plan.remat must be True or False, got 'no'"),
+    ({"fuse_ticks": 1}, r"Plan.fuse_ticks must be True or False, got 1"),
+], ids=["fractional-partition", "remat-string", "fuse-ticks-int"])
+def test_plan_fields_of_the_wrong_type(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jpipe.Plan(2, 1, 2, **kwargs)
+
+
 def _deadlocking(num_devices: int, num_microbatches: int) -> schedules.Table:
     A = schedules.Action
     orders = [[A("B", m, d) for m in range(num_microbatches)] + [A("F", m, d) for m in range(num_microbatches)]
@@ -143,6 +153,25 @@ def test_nonfinite_loss_from_a_finite_batch_raises(live):
     with pytest.raises(NonFiniteError, match=r"non-finite values at step \d+: the loss is inf") as e:
         jpipe.train_step(live["state"], huge)
     live["state"] = e.value.state
+
+
+def test_an_update_that_overflows_the_parameters_raises(model):
+    """Finite batch, loss and gradients, but an infinite learning rate: the updated parameters are
+    checked too, so the NaN state is never kept (nor checkpointed)."""
+    state = jpipe.init(model, PLAN, optax.sgd(float("inf")), make_batch(16), rng=jax.random.key(0),
+                       devices=DEVICES)
+    before = jax.tree.map(np.asarray, jpipe.to_sequential(state))
+    with pytest.raises(NonFiniteError, match=r"the update made a parameter NaN or inf: lower the learning rate") as e:
+        jpipe.train_step(state, make_batch(16))
+    for a, b in zip(jax.tree.leaves(jpipe.to_sequential(e.value.state)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_consumed_state_is_refused_by_name(live):
+    old = live["state"]
+    live["state"], _ = jpipe.train_step(old, make_batch(16))
+    with pytest.raises(ValueError, match=r"an earlier train_step already consumed .* use the returned state"):
+        jpipe.train_step(old, make_batch(16))
 
 
 def test_skip_policy_skips_and_counts(model):
