@@ -17,6 +17,7 @@ from jpipe._train import (
     sequential_layers,
     to_sequential,
     train_step,
+    value_and_grad,
 )
 from jpipe.averaging import ElasticAveraging
 from jpipe.partition import plan
@@ -38,4 +39,5 @@ __all__ = [
     "sequential_layers",
     "to_sequential",
     "train_step",
+    "value_and_grad",
 ]

@@ -431,6 +431,45 @@ train_step = _TrainStep(_train_step)
 train_step.__doc__ = _TrainStep.__call__.__doc__
 
 
+def value_and_grad(state: TrainState, batch: PyTree) -> tuple[jax.Array, Params]:
+    """The loss and its gradients on ``batch`` in sequential layout, the state left as it is.
+
+    The same pipelined computation as :func:`train_step` (mean loss over the
+    global batch, gradients accumulated over micro-batches in float32), without
+    the optimizer; the gradients are new arrays split over the mesh, like
+    :func:`to_sequential`'s. For inspecting gradients, custom updates or
+    gradient checks; the state is not donated.
+
+    >>> import jax, jax.numpy as jnp, optax, jpipe
+    >>> from jpipe import models
+    >>> model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
+    >>> state = jpipe.init(model, jpipe.Plan(2, 1, 2), optax.sgd(0.1), batch, rng=jax.random.key(0),
+    ...                    devices=jax.devices()[:2])
+    >>> loss, grads = jpipe.value_and_grad(state, batch)
+    >>> ref_loss, ref_grads = jax.value_and_grad(model.loss_value)(jpipe.to_sequential(state), batch)
+    >>> bool(jnp.allclose(loss, ref_loss)), int(state.step)
+    (True, 0)
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"value_and_grad takes a jpipe.TrainState (from jpipe.init), got {type(state).__name__}")
+    if state.plan.pipelines > 1 or state.plan.averaging is not None:
+        raise ValueError("value_and_grad is for synchronous plans; co-located pipelines (Plan(pipelines=N)) "
+                         "have one gradient per pipeline: read them with jpipe.averaging.replicas after a step")
+    _check_not_donated(state, "value_and_grad")
+    loss, grads = _value_and_grad(state, batch)
+    return loss, to_sequential(state.replace(params=grads))
+
+
+@jax.jit
+def _value_and_grad(state: TrainState, batch: PyTree) -> tuple[jax.Array, Params]:
+    _check_step_batch(state, batch)
+    program = state.program
+    batch = jax.lax.with_sharding_constraint(
+        batch, NamedSharding(program.mesh, batch_spec(program.executor.replicas_over_data)))
+    return program.grads(state.params, batch)
+
+
 def to_sequential(state: TrainState) -> Params:
     """The parameters in sequential layout: ``{"pre": ..., "layers": [L dicts], "post": ...}``.
 

@@ -277,3 +277,20 @@ def test_no_unwritten_buffer_slot_is_ever_read(unwritten_slots_hold_nan, name, p
     plan = jpipe.Plan(pipe, 8 // pipe, microbatches, schedule=name, virtual_stages=chunks, remat=remat,
                       fuse_ticks=fuse)
     assert_step_matches_sequential(make_model("nnx"), plan, make_batch(2 * (8 // pipe) * microbatches))
+
+
+@pytest.mark.parametrize("shard", [None, "parameters"])
+def test_value_and_grad_is_the_sequential_gradient_and_leaves_the_state(shard):
+    model, batch = make_model("linen"), make_batch(16)
+    params = model.init_params(jax.random.key(1), batch)
+    state = jpipe.init(model, jpipe.Plan(4, 2, 2, shard=shard), optax.sgd(0.1), batch, params=params)
+    loss, grads = jpipe.value_and_grad(state, batch)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss_value))(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * scale
+    assert int(state.step) == 0  # not updated, not donated: it still trains
+    state, metrics = jpipe.train_step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-6)
