@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -49,9 +50,23 @@ def _linen_component(module: nn.Module) -> Component:
     return Component(init, apply)
 
 
+def _rngs_by_keyword(constructor: Callable) -> bool:
+    """Whether ``constructor`` takes ``rngs`` keyword-only (``def __init__(self, *, rngs)``, NNX's usual form)."""
+    try:
+        # a class's own __init__: NNX's metaclass shows (*args, **kwargs) for the class itself
+        target = constructor.__init__ if isinstance(constructor, type) else constructor
+        param = inspect.signature(target).parameters.get("rngs")
+    except (TypeError, ValueError):  # no signature to read: pass it positionally
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
 def _nnx_component(constructor: Callable[[nnx.Rngs], nnx.Module], what: str) -> Component:
+    by_keyword = _rngs_by_keyword(constructor)
+
     def build(key: jax.Array) -> nnx.Module:
-        module = constructor(nnx.Rngs(key))
+        rngs = nnx.Rngs(key)
+        module = constructor(rngs=rngs) if by_keyword else constructor(rngs)
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"{what} must be a Flax NNX module constructor (rngs -> nnx.Module) or a Linen "
@@ -152,6 +167,47 @@ class Staged:
     def head_loss(self, post_params: Params, hidden: jax.Array, microbatch: PyTree) -> jax.Array:
         return self.loss(self._post.apply(post_params, hidden), microbatch)
 
+    def check(self, microbatch: PyTree) -> jax.ShapeDtypeStruct:
+        """Traces ``pre``, a ``layer`` and ``post`` with the loss on ``microbatch``'s shapes (nothing
+        runs) and returns the hidden state's shape; a part that does not fit raises ``ValueError``
+        naming the part and the shapes. ``jpipe.init`` calls it first.
+
+        >>> import jax.numpy as jnp
+        >>> from jpipe import models
+        >>> model = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
+        >>> model.check({"x": jnp.ones((4, 3)), "y": jnp.zeros((4, 1))})
+        ShapeDtypeStruct(shape=(4, 8), dtype=float32)
+        """
+        key = jax.random.key(0)
+        try:
+            pre = jax.eval_shape(self._pre.init, key, microbatch)
+            hidden = jax.eval_shape(self._pre.apply, pre, microbatch)
+        except Exception as e:
+            raise ValueError(f"pre cannot take the micro-batch {_describe(microbatch)}: "
+                             f"{type(e).__name__}: {_first_line(e)}") from e
+        if not isinstance(hidden, jax.ShapeDtypeStruct):
+            raise ValueError(f"pre must return one array (the hidden state the stages pass on), got "
+                             f"{_describe(hidden)}")
+        try:
+            layer = jax.eval_shape(self._layer.init, key, hidden)
+            out = jax.eval_shape(self._layer.apply, layer, hidden)
+        except Exception as e:
+            raise ValueError(f"layer cannot take the hidden state {_shape(hidden)} that pre returns: "
+                             f"{type(e).__name__}: {_first_line(e)}") from e
+        if not isinstance(out, jax.ShapeDtypeStruct) or (out.shape, out.dtype) != (hidden.shape, hidden.dtype):
+            raise ValueError(f"layer maps the hidden state {_shape(hidden)} to {_describe(out)}; every "
+                             f"layer must keep the hidden shape and dtype (stages pass it on to one another)")
+        try:
+            post = jax.eval_shape(self._post.init, key, hidden)
+            loss = jax.eval_shape(self.head_loss, post, hidden, microbatch)
+        except Exception as e:
+            raise ValueError(f"post or the loss cannot take the hidden state {_shape(hidden)} and the "
+                             f"micro-batch: {type(e).__name__}: {_first_line(e)}") from e
+        if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+            raise ValueError(f"the loss returns {_describe(loss)}, not a scalar; return the micro-batch's "
+                             f"mean loss (e.g. jnp.mean(...))")
+        return hidden
+
     # -- the plain sequential model ----------------------------------------------------------
     def init_stacked(self, key: jax.Array, example_batch: PyTree) -> Params:
         """Parameters with the layers stacked on a leading ``num_layers`` axis."""
@@ -221,3 +277,19 @@ def unstack_layers(params: Params) -> Params:
         n = jax.tree.leaves(layers)[0].shape[0]
         layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
     return {**params, "layers": list(layers)}
+
+
+def _shape(a: Any) -> str:
+    return f"{a.dtype}{list(a.shape)}"
+
+
+def _describe(tree: PyTree) -> str:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if len(leaves) == 1 and not leaves[0][0]:
+        return _shape(leaves[0][1]) if hasattr(leaves[0][1], "shape") else repr(leaves[0][1])
+    return "{" + ", ".join(f"{jax.tree_util.keystr(p) or '.'}: {_shape(a) if hasattr(a, 'shape') else repr(a)}"
+                           for p, a in leaves) + "}"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]

@@ -232,6 +232,7 @@ def abstract_state(model: Staged, plan: Plan, optimizer: optax.GradientTransform
     mesh = make_mesh(plan.pipe, plan.data, devices)
     _check_batch(example_batch, plan, "example_batch")
     microbatch = _microbatch(example_batch, plan)
+    model.check(microbatch)
     layout = Layout.from_partition(partition, plan.pipe)
     params = jax.eval_shape(functools.partial(_init_pipelined, model, layout), jax.random.key(0), microbatch)
     shardings = _sharding.param_shardings(params, mesh, plan.shard)

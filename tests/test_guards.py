@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_executor import make_batch, make_model
+from flax import nnx
+from test_executor import HIDDEN, NnxBlock, NnxEmbed, make_batch, make_model, mse
 
 import jpipe
 from jpipe import distributed, schedules
@@ -88,6 +89,43 @@ def test_bad_partition(model, partition, message):
     with pytest.raises(ValueError, match=message):
         jpipe.init(model, jpipe.Plan(2, 1, 2, partition=partition), optax.sgd(0.1), make_batch(16),
                    rng=jax.random.key(0), devices=DEVICES)
+
+
+def _staged(**changes) -> jpipe.Staged:
+    parts = dict(pre=NnxEmbed, layer=NnxBlock, post=lambda rngs: nnx.Linear(HIDDEN, 3, rngs=rngs), num_layers=4,
+                 loss=mse)
+    parts.update(changes)
+    return jpipe.Staged(**parts)
+
+
+@pytest.mark.parametrize("model, message", [
+    (_staged(layer=lambda rngs: nnx.Linear(HIDDEN, 8, rngs=rngs)),
+     r"layer maps the hidden state float32\[8, 16\] to float32\[8, 8\]; every layer must keep the hidden "
+     r"shape and dtype"),
+    (_staged(layer=lambda rngs: nnx.Linear(HIDDEN, HIDDEN, dtype=jnp.bfloat16, rngs=rngs)),
+     r"layer maps the hidden state float32\[8, 16\] to bfloat16\[8, 16\]"),
+    (_staged(loss=lambda out, mb: (out - mb["y"]) ** 2),
+     r"the loss returns float32\[8, 3\], not a scalar; return the micro-batch's mean loss"),
+    (_staged(pre=lambda rngs: nnx.Linear(6, HIDDEN, rngs=rngs)),
+     r"pre cannot take the micro-batch \{\['x'\]: float32\[8, 6\], \['y'\]: float32\[8, 3\]\}"),
+], ids=["layer-shape", "layer-dtype", "vector-loss", "pre-takes-no-dict"])
+def test_model_parts_that_do_not_fit_are_named_at_init(model, message):
+    with pytest.raises(ValueError, match=message):
+        jpipe.init(model, PLAN, optax.sgd(0.1), make_batch(16), rng=jax.random.key(0), devices=DEVICES)
+
+
+class KeywordBlock(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:  # NNX's usual keyword-only rngs
+        self.linear = nnx.Linear(HIDDEN, HIDDEN, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.linear(h)
+
+
+def test_nnx_constructors_may_take_rngs_by_keyword():
+    state = jpipe.init(_staged(layer=KeywordBlock), PLAN, optax.sgd(0.1), make_batch(16), rng=jax.random.key(0),
+                       devices=DEVICES)
+    assert np.isfinite(float(jpipe.train_step(state, make_batch(16))[1]["loss"]))
 
 
 @pytest.mark.parametrize("kwargs, message", [

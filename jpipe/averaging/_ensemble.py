@@ -248,6 +248,7 @@ def init(
     size = _check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
     microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
     one = batch_slice(microbatch, 0)
+    model.check(one)
     partition = plan.stage_partition(model.num_layers)
     table = plan.table()
     mesh = make_mesh(plan.pipe, plan.data, devices)
