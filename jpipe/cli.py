@@ -144,7 +144,10 @@ def _add_report(commands) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``jpipe`` argument parser."""
+    from importlib.metadata import version  # not jpipe.__version__: importing jpipe imports jax
+
     parser = argparse.ArgumentParser(prog="jpipe", description="Pipeline-parallel training for JAX/Flax.")
+    parser.add_argument("--version", action="version", version=f"jpipe {version('jpipe')}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(commands)
     _add_schedule(commands)

@@ -168,6 +168,23 @@ def test_schedule_show(tmp_path, capsys):
         cli.main(["schedule", "show", "zigzag"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["schedule", "show", "1f1b", "--microbatches", "-3"], "microbatches must be at least 1, got -3"),
+    (["schedule", "show", "1f1b", "--pipe", "0"], "pipe must be at least 1, got 0"),
+    (["schedule", "show", "1f1b", "--chunks", "2"], "schedule '1f1b' takes no num_chunks (it is not interleaved"),
+], ids=["negative-microbatches", "zero-pipe", "chunks-of-a-plain-schedule"])
+def test_schedule_show_refuses_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("jpipe ")
+
+
 @pytest.mark.parametrize("name", ["nnx_loop.py", "linen_loop.py"])
 def test_examples_run(name, capsys):
     runpy.run_path(os.path.join(ROOT, "examples", name), run_name="__main__")  # each asserts it learned

@@ -8,6 +8,7 @@ shade) with the micro-batch number inside, and idle time left blank.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import TYPE_CHECKING
 
@@ -172,7 +173,17 @@ def main_show(
             if want and want != got:
                 raise ValueError(f"{name} is a schedule for {what}={got}, but {what}={want} was asked for")
     else:
-        table = get_schedule(name)(pipe, microbatches, **options)
+        for what, value in (("pipe", pipe), ("microbatches", microbatches), *options.items()):
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"{what} must be at least 1, got {value}")
+        make = get_schedule(name)
+        accepted = inspect.signature(make).parameters
+        unknown = sorted(k for k in options if k not in accepted)
+        if unknown:
+            raise ValueError(f"schedule {name!r} takes no {', '.join(unknown)}"
+                             + (" (it is not interleaved: one chunk per device); drop --chunks, or pick an "
+                                "interleaved schedule" if "num_chunks" in unknown else ""))
+        table = make(pipe, microbatches, **options)
     if fused:
         from jpipe.schedules._table import fuse_ticks
 
