@@ -120,7 +120,10 @@ class Staged:
     hidden activations, each ``layer`` maps hidden to hidden (same shape and
     dtype), ``post`` maps hidden to outputs and ``loss(outputs, microbatch)``
     returns the micro-batch's mean loss. The first pipeline stage also runs
-    ``pre``, the last also runs ``post`` and the loss.
+    ``pre``, the last also runs ``post`` and the loss. ``check_batch``, if
+    given, checks every batch on the host before :func:`jpipe.train_step` runs
+    it (e.g. that integer labels are in range, which no traced code can report);
+    it raises ``ValueError`` naming the problem.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -149,6 +152,7 @@ class Staged:
     post: Any
     num_layers: int
     loss: Callable[[PyTree, PyTree], jax.Array]
+    check_batch: Callable[[PyTree], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_layers, int) or self.num_layers < 1:

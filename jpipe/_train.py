@@ -417,6 +417,8 @@ class _TrainStep:
             raise TypeError(f"train_step takes a jpipe.TrainState (from jpipe.init) as its first argument, "
                             f"got {type(state).__name__}")
         _check_not_donated(state, "train_step")
+        if state.program.model.check_batch is not None:
+            state.program.model.check_batch(batch)
         new, metrics = self._jitted(state, batch)
         if state.program.nan_policy == "raise" and not bool(metrics["finite"]):
             raise NonFiniteError(_nonfinite_message(new, batch, metrics), int(new.step), new)
@@ -458,6 +460,8 @@ def value_and_grad(state: TrainState, batch: PyTree) -> tuple[jax.Array, Params]
         raise ValueError("value_and_grad is for synchronous plans; co-located pipelines (Plan(pipelines=N)) "
                          "have one gradient per pipeline: read them with jpipe.averaging.replicas after a step")
     _check_not_donated(state, "value_and_grad")
+    if state.program.model.check_batch is not None:
+        state.program.model.check_batch(batch)
     loss, grads = _value_and_grad(state, batch)
     return loss, to_sequential(state.replace(params=grads))
 

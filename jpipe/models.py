@@ -29,11 +29,13 @@ A model pipelined over one device (on more devices, raise ``pipe`` and
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from flax import nnx
@@ -122,6 +124,22 @@ def _check_tokens(tokens: jax.Array, seq_len: int) -> None:
     if tokens.shape[1] > seq_len:
         raise ValueError(f'mb["tokens"] has {tokens.shape[1]} positions but the model was built '
                          f"with seq_len={seq_len}")
+
+
+def _check_token_range(batch: dict, vocab_size: int) -> None:
+    """On the host: ``tokens`` and ``targets`` must be ids in ``[0, vocab_size)`` (out of range, the
+    embedding would clamp them and the cross-entropy read garbage, without a word)."""
+    for key in ("tokens", "targets"):
+        if not isinstance(batch, dict) or key not in batch:
+            continue
+        leaf = batch[key]
+        pieces = [s.data for s in leaf.addressable_shards] if isinstance(leaf, jax.Array) else [leaf]
+        for piece in pieces:
+            piece = np.asarray(piece)
+            if piece.size and (piece.min() < 0 or piece.max() >= vocab_size):
+                bad = piece.min() if piece.min() < 0 else piece.max()
+                raise ValueError(f'batch["{key}"] holds {int(bad)}, outside the vocabulary [0, {vocab_size}); '
+                                 f"token ids and targets must be in range (no -1 padding: mask the loss instead)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +328,8 @@ def gpt(
         pre = LinenEmbed(vocab_size, seq_len, d_model, dtype)
         layer = LinenBlock(d_model, num_heads, mlp_ratio, dtype)
         post = LinenHead(vocab_size, dtype)
-    return Staged(pre=pre, layer=layer, post=post, num_layers=num_layers, loss=_lm_loss)
+    return Staged(pre=pre, layer=layer, post=post, num_layers=num_layers, loss=_lm_loss,
+                  check_batch=functools.partial(_check_token_range, vocab_size=vocab_size))
 
 
 # --------------------------------------------------------------------------------------------

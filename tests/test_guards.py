@@ -304,3 +304,18 @@ def test_bad_checkpoint_settings(tmp_path, kwargs, message):
 def test_bad_coordinator_address():
     with pytest.raises(ValueError, match=r"coordinator must be HOST:PORT"):
         distributed.initialize("10.0.0.1", 2, 0)
+
+
+@pytest.mark.parametrize("key, value", [("targets", -1), ("tokens", 16)])
+def test_the_zoo_gpt_checks_token_ids_on_the_host(key, value):
+    from jpipe import models
+
+    gpt = models.gpt(vocab_size=16, seq_len=8, d_model=16, num_heads=2, num_layers=2)
+    batch = {"tokens": jnp.zeros((4, 8), jnp.int32), "targets": jnp.ones((4, 8), jnp.int32)}
+    state = jpipe.init(gpt, PLAN, optax.sgd(0.1), batch, rng=jax.random.key(0), devices=DEVICES)
+    bad = dict(batch, **{key: batch[key].at[1, 2].set(value)})
+    with pytest.raises(ValueError, match=rf'batch\["{key}"\] holds {value}, outside the vocabulary \[0, 16\)'):
+        jpipe.train_step(state, bad)
+    assert int(state.step) == 0  # refused before the step: the state is intact
+    state, metrics = jpipe.train_step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))

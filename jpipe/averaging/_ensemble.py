@@ -131,6 +131,7 @@ def ensemble(model: Staged, pipelines: int) -> Staged:
         post=Component(post_init, jax.vmap(post.apply)),
         num_layers=model.num_layers,
         loss=loss,
+        check_batch=model.check_batch,  # element-wise checks hold for [B, N, ...] batches too
     )
 
 
