@@ -37,7 +37,7 @@ from typing import Any
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 # Destinations of ``jpipe train`` that are not options of the run (and not config-file keys).
-_NOT_CONFIG = {"command", "run", "config", "resume", "help"}
+_NOT_CONFIG = {"command", "run", "config", "resume", "resume_step", "overwrite", "help"}
 # Options of ``jpipe train`` that say where a process runs, not what the run is (not config keys either).
 _LAUNCH = {"coordinator", "num_processes", "process_id", "distributed", "across"}
 _NOT_CONFIG |= _LAUNCH
@@ -60,8 +60,13 @@ def _add_train(commands) -> argparse.ArgumentParser:
     add("--config", metavar="FILE.toml", help="read options from a TOML file (keys as the options)")
     add("--out", default=None, help="run folder (default: runs/<timestamp>)")
     add("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
-        help="continue RUN_DIR (or --out, or the latest run under runs/) from its last checkpoint; "
-             "the step counter, batches and loss trajectory continue where they stopped")
+        help="continue RUN_DIR (or --out, or the latest run under runs/) from its newest intact checkpoint "
+             "(a damaged newest one is skipped with a warning); the step counter, batches and loss "
+             "trajectory continue where they stopped")
+    add("--resume-step", type=int, default=None, metavar="N",
+        help="with --resume: continue from the checkpoint at step N rather than the newest")
+    add("--overwrite", action="store_true",
+        help="start afresh in an --out folder that holds another run's checkpoints (deletes them)")
     add("--steps", type=int, default=d.steps, help="training steps")
     add("--batch-size", type=int, default=d.batch_size, help="sequences per step (global batch)")
     add("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
@@ -398,6 +403,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = run.config_from_mapping(vars(args))
     resume = bool(args.resume)
     try:
+        if args.resume_step is not None and not resume:
+            raise ValueError("--resume-step goes with --resume: jpipe train --resume RUN_DIR --resume-step N")
         config.check()
         request = _distributed_request(args)
     except ValueError as e:
@@ -410,9 +417,12 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             train.error(str(e))
     else:
         devices = _join(train, args, config, request, resume)
+    from jpipe.checkpoint import CheckpointError
+
     try:
-        run.train(config, resume=resume, devices=devices, command=run.command_line(args.argv))
-    except (ValueError, FileNotFoundError) as e:
+        run.train(config, resume=resume, resume_step=args.resume_step, overwrite=args.overwrite, devices=devices,
+                  command=run.command_line(args.argv))
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as e:
         train.error(str(e))
     return 0
 

@@ -293,6 +293,8 @@ def train(
     config: TrainConfig,
     *,
     resume: bool = False,
+    resume_step: int | None = None,
+    overwrite: bool = False,
     devices: Sequence | None = None,
     command: str | None = None,
     log: Callable[..., None] = print,
@@ -300,9 +302,13 @@ def train(
     """Runs ``config`` and writes its run folder; returns the run's summary (also ``summary.json``).
 
     With ``resume``, ``config.out`` must be a run folder with a checkpoint: training
-    continues from its last checkpoint with the same step counter and batches, so the
-    loss trajectory is the one the uninterrupted run would have had. ``devices``
-    defaults to the first ``pipe x data`` of ``jax.devices()``.
+    continues from its newest intact checkpoint (or ``resume_step``) with the same step
+    counter and batches, so the loss trajectory is the one the uninterrupted run would
+    have had; a damaged newest checkpoint is skipped with a warning. A new run refuses
+    a folder that holds another run's checkpoints unless ``overwrite`` (which clears
+    them first), and a folder another live run is writing (a lock file names it; a
+    dead process's lock is taken over). A refused call changes nothing on disk.
+    ``devices`` defaults to the first ``pipe x data`` of ``jax.devices()``.
 
     Under ``jax.distributed`` (:func:`jpipe.distributed.initialize` first) every process
     calls it alike with an explicit plan and ``devices`` over all processes (e.g.
@@ -314,25 +320,129 @@ def train(
     wall_start = time.perf_counter()
     config.check()
     import jax
+
+    multi_process = jax.process_count() > 1
+    if multi_process and mesh_shape(config, resume or resume_step is not None) is None:
+        raise ValueError(MULTI_PROCESS_PLAN)
+    resume = resume or resume_step is not None
+    out = config.out or _shared_run_dir()
+    config = dataclasses.replace(config, out=out)
+    checkpoints_dir = os.path.join(os.path.abspath(out), "checkpoints")
+    if resume:
+        if not os.path.isdir(out):
+            raise FileNotFoundError(f"cannot resume: run folder {out!r} does not exist")
+        steps = _resume_steps(checkpoints_dir, out, config.steps, resume_step)
+    else:
+        steps = None
+        held = sorted(os.listdir(checkpoints_dir)) if os.path.isdir(checkpoints_dir) else []
+        if held and not overwrite:
+            raise FileExistsError(
+                f"run folder {out!r} holds another run's checkpoints ({', '.join(held[:5])}); continue it "
+                f"with --resume {out}, choose another --out, or pass --overwrite to delete them and start afresh")
+    lock = RunLock(out, log) if jax.process_index() == 0 else None
+    try:
+        if overwrite and not resume and jax.process_index() == 0:
+            import shutil
+
+            shutil.rmtree(checkpoints_dir, ignore_errors=True)
+        if multi_process:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jpipe run folder ready")
+        return _train(config, steps, devices, command, log, wall_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _resume_steps(checkpoints_dir: str, out: str, max_step: int, resume_step: int | None) -> list[int]:
+    """The checkpoints to try, newest first: ``resume_step`` alone, or every complete one."""
+    from jpipe.checkpoint import Checkpointer
+
+    with Checkpointer(checkpoints_dir) as ckpt:
+        complete = ckpt.all_steps()
+    if not complete:
+        raise FileNotFoundError(f"cannot resume: {out!r} has no complete checkpoint")
+    if resume_step is not None:
+        if resume_step not in complete:
+            raise ValueError(f"--resume-step {resume_step}: {out!r} has no complete checkpoint at that step; "
+                             f"it has {complete}")
+        complete = [resume_step]
+    if complete[-1] > max_step:
+        raise ValueError(f"the checkpoint of {out!r} to resume is at step {complete[-1]}, after --steps "
+                         f"{max_step}; raise --steps to train further")
+    return complete[::-1]
+
+
+class RunLock:
+    """``RUN_DIR/.lock``: one live run per folder. Holds the owner's pid and host; a lock whose
+    process is gone (same host) is taken over with a warning."""
+
+    NAME = ".lock"
+
+    def __init__(self, out: str, log: Callable[..., None] = print) -> None:
+        os.makedirs(out, exist_ok=True)
+        self.path = os.path.join(out, self.NAME)
+        me = {"pid": os.getpid(), "host": platform.node()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self._holder()
+                if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+                    log(f"warning: taking over the lock of {out!r} from process {holder.get('pid')}, "
+                        f"which is gone")
+                    os.remove(self.path)
+                    continue
+                raise FileExistsError(
+                    f"run folder {out!r} is in use by process {holder.get('pid')} on "
+                    f"{holder.get('host')!r} (its lock: {self.path}); wait for that run to end or choose "
+                    f"another --out") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            return
+        raise FileExistsError(f"could not take the lock {self.path}; remove it if no run uses {out!r}")
+
+    def _holder(self) -> dict:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        if self._holder().get("pid") == os.getpid():
+            os.remove(self.path)
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequence | None, command: str | None,
+           log: Callable[..., None], wall_start: float) -> dict[str, Any]:
+    import jax
     import optax
 
     import jpipe
     from jpipe import data as jdata
     from jpipe import models, schedules
 
+    resume = resume_steps is not None
+    out = config.out
     main_process = jax.process_index() == 0
     multi_process = jax.process_count() > 1
-    if multi_process and mesh_shape(config, resume) is None:
-        raise ValueError(MULTI_PROCESS_PLAN)
     if not main_process:  # one voice: process 0 prints, the others only fail loudly
         def log(*args: Any, **kwargs: Any) -> None:
             pass
-
-    out = config.out or _shared_run_dir()
-    config = dataclasses.replace(config, out=out)
-    if resume and not os.path.isdir(out):
-        raise FileNotFoundError(f"cannot resume: run folder {out!r} does not exist")
-    os.makedirs(out, exist_ok=True)
 
     corpus = jdata.load(config.max_chars)
     model = models.gpt(corpus.vocab_size, config.seq_len, d_model=config.d_model, num_heads=config.heads,
@@ -397,15 +507,8 @@ def train(
                                keep=max(1, config.keep_checkpoints))
     start_step = 0
     if resume:
-        start_step = checkpoints.latest_step()
-        if start_step is None:
-            checkpoints.close()
-            raise FileNotFoundError(f"cannot resume: {out!r} has no complete checkpoint")
-        if start_step > config.steps:
-            checkpoints.close()
-            raise ValueError(f"the last checkpoint of {out!r} is at step {start_step}, after --steps "
-                             f"{config.steps}; raise --steps to train further")
-        state = checkpoints.restore(model, plan, optimizer, example, devices=run_devices)
+        state, start_step = _restore_intact(checkpoints, resume_steps, model, plan, optimizer, example,
+                                            run_devices, log)
         if main_process:
             report.truncate_metrics(out, start_step)
         log(f"resumed from the checkpoint at step {start_step}")
@@ -556,6 +659,22 @@ def train(
             f"{summary['steps_run']} steps in {summary['train_s']:.1f}s; report: "
             f"{os.path.join(out, report.REPORT)}")
     return summary
+
+
+def _restore_intact(checkpoints, steps: list[int], model, plan, optimizer, example, devices, log):
+    """The state of the newest of ``steps`` whose checkpoint restores intact, and its step."""
+    from jpipe.checkpoint import CheckpointError
+
+    for i, step in enumerate(steps):
+        try:
+            return checkpoints.restore(model, plan, optimizer, example, step=step, devices=devices), step
+        except CheckpointError as e:
+            if i + 1 == len(steps):
+                checkpoints.close()
+                raise
+            log(f"warning: skipping the checkpoint at step {step}, which is damaged ({str(e)[:300]}); "
+                f"trying step {steps[i + 1]}")
+    raise AssertionError("no steps to resume from")
 
 
 def _progress_bar(config: TrainConfig, start_step: int):

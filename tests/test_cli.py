@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import runpy
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +134,57 @@ def test_resume_continues_the_same_step_counter_and_trajectory(full_run, tmp_pat
     assert sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit()) == [2, 4]
     with pytest.raises(SystemExit):  # the last checkpoint (4) is past --steps 3
         cli.main(["train", "--resume", out, "--steps", "3"])
+
+
+def _snapshot(run_dir: str) -> dict[str, bytes]:
+    """Every file of a run folder and its bytes (a refused command must change none)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in Path(run_dir).rglob("*") if p.is_file()}
+
+
+def test_run_folders_are_owned(full_run, tmp_path, capsys):
+    out = str(tmp_path / "owned")
+    shutil.copytree(full_run, out)
+    before = _snapshot(out)
+
+    def refused(argv: list[str], needle: str) -> None:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err, needle
+        assert _snapshot(out) == before  # nothing on disk changed
+
+    refused(["train", *TINY, "--steps", "2", "--out", out], "holds another run's checkpoints")
+    refused(["train", "--resume", out, "--steps", "3"], "raise --steps to train further")
+    refused(["train", "--resume", out, "--resume-step", "3"], "no complete checkpoint at that step; it has [2, 4]")
+    lock = Path(out) / ".lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": platform.node()}))  # a live run holds it
+    before = _snapshot(out)
+    refused(["train", "--resume", out, "--steps", "6"], f"is in use by process {os.getpid()}")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(json.dumps({"pid": gone.pid, "host": platform.node()}))  # its process died
+    capsys.readouterr()
+    assert cli.main(["train", *TINY, "--steps", "2", "--out", out, "--overwrite"]) == 0
+    assert f"taking over the lock of {out!r} from process {gone.pid}" in capsys.readouterr().out
+    assert not lock.exists()  # released at the end
+    assert sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit()) == [2]
+    assert sorted(_losses(out)) == [1, 2]
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(full_run, tmp_path, capsys):
+    out = str(tmp_path / "damaged")
+    shutil.copytree(full_run, out)
+    newest = Path(out) / "checkpoints" / "4"
+    data = max((p for p in newest.rglob("*") if p.is_file() and p.parent.name == "d"
+                and p.parent.parent.name == "params"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", out]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: skipping the checkpoint at step 4, which is damaged" in printed
+    assert "resumed from the checkpoint at step 2" in printed
+    assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)  # steps 3 and 4 again, as before
 
 
 def test_train_rejects_bad_options_and_configs(tmp_path, capsys):
