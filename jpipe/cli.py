@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+INTERRUPTED = 130  # the shell's exit code for SIGINT
 # Destinations of ``jpipe train`` that are not options of the run (and not config-file keys).
 _NOT_CONFIG = {"command", "run", "config", "resume", "resume_step", "overwrite", "help"}
 # Options of ``jpipe train`` that say where a process runs, not what the run is (not config keys either).
@@ -271,6 +272,14 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``jpipe`` command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before jpipe train took over the signal, or outside it
+        print("jpipe: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -420,10 +429,17 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from jpipe.checkpoint import CheckpointError
 
     try:
-        run.train(config, resume=resume, resume_step=args.resume_step, overwrite=args.overwrite, devices=devices,
-                  command=run.command_line(args.argv))
+        summary = run.train(config, resume=resume, resume_step=args.resume_step, overwrite=args.overwrite,
+                            devices=devices, command=run.command_line(args.argv))
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as e:
         train.error(str(e))
+    except run.Interrupted as e:
+        print(f"jpipe train: {e}", file=sys.stderr)
+        return INTERRUPTED
+    if summary["interrupted"]:
+        print(f"jpipe train: interrupted after step {summary['stopped_at']} (checkpoint saved); resume with: "
+              f"jpipe train --resume {config.out or summary['out']}", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

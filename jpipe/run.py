@@ -349,7 +349,10 @@ def train(
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("jpipe run folder ready")
-        return _train(config, steps, devices, command, log, wall_start)
+        with StopRequest(log) as stop:
+            return _train(config, steps, devices, command, log, wall_start, stop)
+    except Interrupted as e:
+        raise Interrupted(f"{e}; resume from the last checkpoint with: jpipe train --resume {out}") from None
     finally:
         if lock is not None:
             lock.release()
@@ -428,7 +431,7 @@ def _alive(pid: Any) -> bool:
 
 
 def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequence | None, command: str | None,
-           log: Callable[..., None], wall_start: float) -> dict[str, Any]:
+           log: Callable[..., None], wall_start: float, stop: StopRequest) -> dict[str, Any]:
     import jax
     import optax
 
@@ -590,8 +593,12 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
     recent: list[float] = []  # step times for the bar's tokens/s
     train_start = time.perf_counter()
     last_heldout = None
+    stopped_at = None  # the step an interrupt stopped the run at
     try:
         for step in range(start_step + 1, config.steps + 1):
+            if stop.agreed(multi_process):
+                stopped_at = step - 1
+                break
             tick = time.perf_counter()
             state, metrics = jpipe.train_step(state, feed(next(batches)))
             loss = float(metrics["loss"])  # waits for the step
@@ -623,6 +630,9 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
                 say(f"step {step:>5}  held-out loss {last_heldout:.4f}  (unigram baseline {unigram:.4f})")
             # Batches are a function of the step, so the step is the whole data position.
             checkpoints.save(state, force=step == config.steps, extra={"batches_consumed": step})
+        if stopped_at is not None:
+            checkpoints.save(state, force=True, extra={"batches_consumed": stopped_at})
+            say(f"interrupted: stopped after step {stopped_at}, saving its checkpoint")
     finally:
         if bar is not None:
             bar.close()
@@ -633,7 +643,10 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
     summary = {
         "command": command,
         "steps": config.steps,
-        "steps_run": config.steps - start_step,
+        "steps_run": (config.steps if stopped_at is None else stopped_at) - start_step,
+        "out": out,
+        "interrupted": stopped_at is not None,
+        "stopped_at": stopped_at,
         "resumed_from": start_step if resume else None,
         "num_params": int(num_params),
         "tokens_per_step": tokens_per_step,
@@ -659,6 +672,57 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
             f"{summary['steps_run']} steps in {summary['train_s']:.1f}s; report: "
             f"{os.path.join(out, report.REPORT)}")
     return summary
+
+
+class Interrupted(Exception):
+    """A second SIGINT/SIGTERM: ``jpipe train`` aborts at once (the last checkpoint is intact)."""
+
+
+class StopRequest:
+    """SIGINT and SIGTERM ask ``jpipe train`` to stop at the next step boundary (with a checkpoint,
+    the report and ``summary.json``); a second one aborts at once with :class:`Interrupted`. The
+    previous handlers come back on exit. Outside the main thread it does nothing (Python delivers
+    signals to the main thread only)."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, log: Callable[..., None]) -> None:
+        self.requested = False
+        self._log = log
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise Interrupted("interrupted twice: aborted without a final checkpoint")
+        self.requested = True
+        self._log("stopping at the next step boundary with a checkpoint (interrupt again to abort now)",
+                  flush=True)
+
+    def agreed(self, multi_process: bool) -> bool:
+        """Whether to stop now: under ``jax.distributed``, whether any process was asked to (every
+        process then stops at the same step)."""
+        if not multi_process:
+            return self.requested
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return bool(np.asarray(multihost_utils.process_allgather(np.int32(self.requested))).any())
 
 
 def _restore_intact(checkpoints, steps: list[int], model, plan, optimizer, example, devices, log):

@@ -12,6 +12,7 @@ import os
 import platform
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,43 @@ def test_resume_skips_a_damaged_newest_checkpoint(full_run, tmp_path, capsys):
     assert "warning: skipping the checkpoint at step 4, which is damaged" in printed
     assert "resumed from the checkpoint at step 2" in printed
     assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)  # steps 3 and 4 again, as before
+
+
+def _interrupt(out: str, *when: str) -> tuple[int, str]:
+    """Runs ``jpipe train`` as its own process and sends it SIGINT once a line containing ``when[0]``
+    is printed, again after ``when[1]`` (if given), ...; returns the exit code and stderr."""
+    argv = [sys.executable, "-m", "jpipe", "train", *TINY, "--steps", "4", "--out", out, "--schedule", "1f1b-b",
+            "--fuse-ticks"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiting = list(when)
+    for line in proc.stdout:
+        if waiting[0] in line:
+            proc.send_signal(signal.SIGINT)
+            waiting.pop(0)
+            if not waiting:
+                break
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("when", ["run folder:", "held-out loss 2"], ids=["before-the-first-step", "first-checkpoint"])
+def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_exactly(full_run, tmp_path, when, capsys):
+    out = str(tmp_path / "interrupted")
+    code, err = _interrupt(out, when.replace("held-out loss 2", "step     2  held-out"))
+    assert code == 130 and "Traceback" not in err, err
+    assert f"resume with: jpipe train --resume {out}" in err.strip().splitlines()[-1]
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["interrupted"] and summary["stopped_at"] in range(0, 4)
+    assert os.path.isfile(os.path.join(out, "report.md"))
+    assert cli.main(["train", "--resume", out]) == 0
+    assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)
+
+
+def test_a_second_interrupt_aborts_at_once_without_a_traceback(tmp_path):
+    code, err = _interrupt(str(tmp_path / "aborted"), "run folder:", "stopping at the next step boundary")
+    assert code == 130 and "Traceback" not in err, err
+    assert "interrupted twice" in err
 
 
 def test_train_rejects_bad_options_and_configs(tmp_path, capsys):
