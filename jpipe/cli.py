@@ -44,6 +44,17 @@ _LAUNCH = {"coordinator", "num_processes", "process_id", "distributed", "across"
 _NOT_CONFIG |= _LAUNCH
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where it says something: not when the help already states its
+    default, and not for unset (None) options or off switches."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def _add_train(commands) -> argparse.ArgumentParser:
     from jpipe.run import DTYPES, FIXED_PLAN, TrainConfig
 
@@ -55,7 +66,7 @@ def _add_train(commands) -> argparse.ArgumentParser:
                     "with a pipeline-parallel plan; writes a run folder with the plan, metrics, "
                     "checkpoints, pictures and a report. A --config FILE.toml takes the same options as "
                     "keys (e.g. batch_size = 64); options on the command line win.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     add = train.add_argument
     add("--config", metavar="FILE.toml", help="read options from a TOML file (keys as the options)")
@@ -205,7 +216,7 @@ def _add_plan(commands) -> None:
                     "ranked candidates: pipe x data, micro-batches, schedule, partition, predicted step "
                     "time, bubble and memory per device. Without accelerators it plans for --devices "
                     "simulated CPU devices.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     add = plan.add_argument
     add("--devices", type=int, default=8, help="devices to plan for")

@@ -83,11 +83,22 @@ def truncate_metrics(run_dir: str, step: int) -> None:
         f.writelines(lines)
 
 
-def _ema(values: Sequence[float], alpha: float) -> list[float]:
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else alpha * v + (1 - alpha) * acc
-        out.append(acc)
+def _smooth(values: Sequence[float]) -> list[float]:
+    """A centred moving mean over about 1/20 of the run (narrower near the ends, so as to stay
+    centred): unlike an exponential average it does not lag a falling loss, however short the run.
+
+    >>> _smooth([5.0, 4.0, 3.0, 2.0])  # a straight line stays as it is
+    [5.0, 4.0, 3.0, 2.0]
+    >>> [round(x, 2) for x in _smooth([4.0, 2.0] * 20)][:3]
+    [4.0, 3.33, 2.67]
+    """
+    n = len(values)
+    half = n // 40
+    out = []
+    for i in range(n):
+        k = min(half, i, n - 1 - i)
+        window = values[i - k:i + k + 1]
+        out.append(sum(window) / len(window))
     return out
 
 
@@ -116,7 +127,7 @@ def plot_loss(
         steps = [r["step"] for r in train]
         losses = [r["loss"] for r in train]
         ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train loss (per step)")
-        ax.plot(steps, _ema(losses, 0.1), color="tab:blue", linewidth=1.6, label="train loss (smoothed)")
+        ax.plot(steps, _smooth(losses), color="tab:blue", linewidth=1.6, label="train loss (smoothed)")
     if heldout:
         ax.plot([r["step"] for r in heldout], [r["heldout_loss"] for r in heldout], "o-", color="tab:red",
                 markersize=4, label="held-out loss")
