@@ -1,5 +1,6 @@
 """Every test and doctest runs on 8 simulated CPU devices; XLA_FLAGS must be set before jax is imported."""
 
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -12,6 +13,25 @@ import jax
 assert len(jax.devices()) == 8, f"tests need 8 simulated CPU devices, got {jax.devices()}"
 
 import pytest
+
+
+def _mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_before_the_map_limit():
+    """Each compiled CPU program maps its code into memory (hundreds of regions for a pipelined
+    step); Linux allows a process 65,530 (vm.max_map_count), past which XLA's next compile
+    segfaults. Modules that compile a program per test (test_executor) pass that within the module."""
+    yield
+    if _mapped_regions() > 30_000:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(autouse=True, scope="module")
