@@ -160,11 +160,18 @@ def test_one_rule_places_every_optimizer_state_leaf_and_sharding_changes_no_numb
                                                            runs["parameters"].mesh, "parameters"),
                                         is_leaf=lambda x: isinstance(x, P)) if s != P()]
     assert split, "no optimizer-state leaf is split"
-    for a, b in zip(jax.tree.leaves(jpipe.to_sequential(runs[None])),
-                    jax.tree.leaves(jpipe.to_sequential(runs["parameters"]))):
-        # atol: the attention's key bias has a gradient of exactly zero in exact arithmetic; its
-        # round-off (1e-9) depends on the order of the sums and Adam-like updates scale it up to ~lr
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    replicated = jax.tree_util.tree_leaves_with_path(jpipe.to_sequential(runs[None]))
+    for (path, a), b in zip(replicated, jax.tree.leaves(jpipe.to_sequential(runs["parameters"]))):
+        a, b = np.asarray(a), np.asarray(b)
+        if "qkv" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
+            # the attention's key bias has a gradient of exactly zero in exact arithmetic (softmax
+            # ignores a shift shared by a row); its round-off (1e-9) depends on the order of the sums,
+            # and Adam-like updates scale any nonzero gradient up to a step of about lr, so that third
+            # is bounded by three steps, not compared
+            d = a.shape[-1] // 3
+            np.testing.assert_allclose(a[..., d:2 * d], b[..., d:2 * d], atol=3 * 3.2e-2)
+            a, b = np.delete(a, np.s_[d:2 * d], axis=-1), np.delete(b, np.s_[d:2 * d], axis=-1)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_restore_moves_between_meshes_and_shard_levels_bit_exactly(tmp_path):

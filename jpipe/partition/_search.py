@@ -42,7 +42,7 @@ class Memory(NamedTuple):
       over it (held through the loop where the state is split).
     - ``reduction``: the end of the step: the gradients reduced over more than one
       device and their flat copy, and the old optimizer state (where it is whole, as much of
-      it as the loop's buffers displaced from its donated place).
+      it as the gradient accumulators displaced from its donated place).
 
     >>> m = Memory(params=4.0, optimizer=8.0, gathered=1.0, accumulators=4.0, buffers=2.0, tick=8.0,
     ...            old_optimizer=2.0, reduction=10.0)
@@ -331,10 +331,11 @@ def predict_memory(profile: Profile, plan: Plan, global_batch: int) -> Memory:
         (stage_opt / data if shard is not None and data > 1 else 0.0)
     old_optimizer = split_opt * (0.5 if split_stages else 1.0)
     # the end of the step: each reduced group of gradients (over more than one device) and its flat copy,
-    # with the old optimizer state -- where it is whole, as much of it as the loop displaced (the
-    # accumulators and a chunk's gradients)
+    # with the old optimizer state -- where it is whole, as much of it as the accumulators displaced
+    # (the NaN guard selects between the old and the updated state only after checking the updated
+    # parameters, so XLA writes most of the update in place; calibrated against compiled_memory on CPU)
     reduced = (io_grads if n > 1 else 0.0) + (stage_grads if data > 1 else 0.0)
-    displaced = optimizer if shard is not None else min(optimizer, accumulators + chunk_params)
+    displaced = optimizer if shard is not None else min(optimizer, accumulators)
     reduction = 2 * reduced + displaced
     return Memory(float(params), float(optimizer), float(gathered), float(accumulators), float(buffers),
                   float(tick), float(old_optimizer), float(reduction))
