@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._mesh import DATA, PIPE
 from jpipe import _sharding
-from jpipe._model import Params, PyTree, Staged
+from jpipe._model import Params, PyTree, Staged, sample_keys
 from jpipe.schedules import BACKWARD, FIELDS, FORWARD, IDLE, WEIGHT, Table
 
 _COL = {name: i for i, name in enumerate(FIELDS)}
@@ -172,18 +172,20 @@ class Executor:
     replicas_over_data: bool = False  # co-located pipelines: `data` splits the replica axis, not B
     shard: str | None = None  # Plan.shard: what of the state is split beyond stages over `pipe`
 
-    def stage_forward(self, count: jax.Array | None) -> Callable[[PyTree, jax.Array], jax.Array]:
-        """``f(chunk_params [max_layers, ...], x) -> y``: the layers of one chunk."""
+    def stage_forward(self, count: jax.Array | None,
+                      keys: jax.Array | None = None) -> Callable[[PyTree, jax.Array], jax.Array]:
+        """``f(chunk_params [max_layers, ...], x) -> y``: the layers of one chunk; ``keys``
+        ``[max_layers, *samples]``, each layer's sample keys (stochastic models), else ``None``."""
         model, max_layers = self.model, self.layout.max_layers
 
         def f(chunk_params: PyTree, x: jax.Array) -> jax.Array:
-            def one(h, pj):
-                p, j = pj
+            def one(h, pjk):
+                p, j, k = pjk
                 if count is None:  # every chunk is full: no masking needed
-                    return model.layer_apply(p, h), None
-                return lax.cond(j < count, lambda: model.layer_apply(p, h), lambda: h), None
+                    return model.layer_apply(p, h, k), None
+                return lax.cond(j < count, lambda: model.layer_apply(p, h, k), lambda: h), None
 
-            y, _ = lax.scan(one, x, (chunk_params, jnp.arange(max_layers)))
+            y, _ = lax.scan(one, x, (chunk_params, jnp.arange(max_layers), keys))
             return y
 
         return f
@@ -213,8 +215,10 @@ class Executor:
         fwd_perm = [(i, (i + 1) % num_dev) for i in range(num_dev if ring else num_dev - 1)]
         bwd_perm = [((i + 1) % num_dev, i) for i in range(num_dev if ring else num_dev - 1)]
         remat = self.remat
+        stochastic = model.stochastic
+        slot_layers = jnp.asarray(np.maximum(layout.slots(), 0))  # [devices, chunks, max_layers]
 
-        def body(params: Params, batch: PyTree):
+        def body(params: Params, batch: PyTree, key: jax.Array | None = None):
             if not over_data:  # whole copies for the step (temp bytes), of what is stored split
                 params = _gather(params, param_specs, self.mesh)
             stages = jax.tree.map(lambda a: a[0], params["stages"])  # [chunks, max_layers, ...]
@@ -224,12 +228,28 @@ class Executor:
             counts = jnp.asarray(counts_all)[device]
             zeros_h = jnp.zeros(hidden.shape, hidden.dtype)
 
-            def forward_fn(chunk: jax.Array):
-                return self.stage_forward(counts[chunk] if uneven else None)
+            size = jax.tree.leaves(microbatches)[0].shape[1]
+
+            def keys_of(part: jax.Array, mb: jax.Array) -> jax.Array | None:
+                """Micro-batch ``mb``'s sample keys for model ``part`` (0 pre, 1 + l layer l, L + 1 post):
+                where its samples sit in the global batch, whatever the mesh and schedule."""
+                if not stochastic:
+                    return None
+                if not over_data:
+                    return sample_keys(key, part, (lax.axis_index(DATA) * M + mb) * size, size)
+                local = jax.tree.leaves(pre_params)[0].shape[0]  # this data device's replicas
+                replicas = lax.axis_index(DATA) * local + jnp.arange(local)
+                return jax.vmap(lambda r: sample_keys(jax.random.fold_in(key, r), part, mb * size, size))(
+                    replicas)
+
+            def forward_fn(chunk: jax.Array, mb: jax.Array):
+                layer_keys = None if not stochastic else jax.vmap(lambda l: keys_of(1 + l, mb))(
+                    slot_layers[device, chunk])
+                return self.stage_forward(counts[chunk] if uneven else None, layer_keys)
 
             chunk0 = _index(stages, jnp.int32(0))
             res_shapes = [] if remat else jax.eval_shape(
-                lambda p, x: jax.vjp(forward_fn(jnp.int32(0)), p, x)[1].opaque_residuals,
+                lambda p, x: jax.vjp(forward_fn(jnp.int32(0), jnp.int32(0)), p, x)[1].opaque_residuals,
                 chunk0, zeros_h)
             carry = _Carry(
                 inputs=_unwritten((depths[0] + 1, *hidden.shape), hidden.dtype),
@@ -251,7 +271,8 @@ class Executor:
                 last = (device == num_dev - 1) & (chunk == num_chunks - 1)
                 data = _index(microbatches, mb)
                 chunk_p = _index(stages, chunk)
-                f = forward_fn(chunk)
+                f = forward_fn(chunk, mb)
+                pre_keys, post_keys = keys_of(0, mb), keys_of(model.num_layers + 1, mb)
                 # The switch's branches only read the buffers; a buffer passed through the switch
                 # is copied by XLA on every tick. The forward runs in a two-way cond of its own that
                 # writes its residuals into their buffers in place, so that no residual-sized value
@@ -262,7 +283,7 @@ class Executor:
                     grad_pre=_zeros_like_tree(pre_p), grad_post=_zeros_like_tree(post_p))
 
                 def embed() -> jax.Array:
-                    return model.embed(pre_p, data).astype(hidden.dtype)
+                    return model.embed(pre_p, data, pre_keys).astype(hidden.dtype)
 
                 def idle() -> _TickOut:
                     return nothing
@@ -276,7 +297,8 @@ class Executor:
                         residuals = list(vjp.opaque_residuals)
 
                     def head():
-                        loss, (g_post, dy) = jax.value_and_grad(model.head_loss, argnums=(0, 1))(post_p, y, data)
+                        loss, (g_post, dy) = jax.value_and_grad(model.head_loss, argnums=(0, 1))(
+                            post_p, y, data, post_keys)
                         return loss.astype(jnp.float32), g_post, dy.astype(hidden.dtype)
 
                     def no_head():
@@ -303,7 +325,8 @@ class Executor:
                         # pre's weight gradient needs dx: on the first stage all of it is weight work
                         if not grads_for_weights:
                             return nothing.grad_chunk, zeros_h, nothing.grad_pre
-                        x, pre_vjp = jax.vjp(lambda p: model.embed(p, data).astype(hidden.dtype), pre_p)
+                        x, pre_vjp = jax.vjp(
+                            lambda p: model.embed(p, data, pre_keys).astype(hidden.dtype), pre_p)
                         g_chunk, dx = chunk_vjp(x)
                         return g_chunk, zeros_h, pre_vjp(dx.astype(hidden.dtype))[0]
 
@@ -400,10 +423,11 @@ class Executor:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
             return loss, grads
 
+        # a stochastic model's step takes its key, replicated (samples' keys are folded in per device)
         return jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(param_specs, batch_spec(over_data)),
+            in_specs=(param_specs, batch_spec(over_data), *([P()] if stochastic else [])),
             out_specs=(P(), grad_specs),
             check_vma=False,
         )

@@ -2,19 +2,27 @@
 
 Each part is a Flax NNX module constructor (``rngs -> nnx.Module``) or a Flax
 Linen module instance. :class:`Staged` turns both into the same pure form,
-``init(key, x) -> params`` and ``apply(params, x) -> y``, where ``params`` is a
+``init(key, x) -> params`` and ``apply(params, x, keys) -> y``, where ``params`` is a
 nested dict of arrays (NNX: the pure dict of its ``nnx.Param`` state; Linen: its
 ``params`` collection). The executor only ever sees the pure form.
+
+Stochastic layers (dropout) draw from ``keys``: ``None`` is a deterministic call
+(evaluation: NNX modules in ``eval()`` mode, Linen modules called with
+``deterministic=True`` or ``train=False`` where their ``__call__`` takes it), else one
+key per sample. A stochastic part runs sample by sample (``jax.vmap``), each sample
+with its own key, so a sample's masks depend only on the step, the part and the
+sample's index in the global batch: not on the mesh, the micro-batch size or the
+schedule. The keys come from :func:`sample_keys`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,15 +34,61 @@ Params = dict[str, Any]
 
 
 class Component(NamedTuple):
-    """A module in pure form: ``init(key, example_input) -> params``, ``apply(params, x) -> y``."""
+    """A module in pure form: ``init(key, example_input) -> params`` and ``apply(params, x, keys=None) -> y``.
+
+    ``keys`` is ``None`` for a deterministic call, else one key per sample of ``x`` (its
+    leading axis). ``stochastic`` says whether ``apply`` uses them: a bool where the module
+    shows it (NNX: it holds random-number streams), else ``uses_rng(params, x) -> bool``,
+    which traces a training call (Linen; :meth:`Staged.check` asks it).
+    """
 
     init: Callable[[jax.Array, PyTree], Params]
-    apply: Callable[[Params, PyTree], PyTree]
+    apply: Callable[..., PyTree]
+    stochastic: bool | Callable[[Params, PyTree], bool] = False
+
+
+def sample_keys(key: jax.Array, part: int | jax.Array, first: int | jax.Array, count: int) -> jax.Array:
+    """The keys of samples ``first .. first + count - 1`` of the global batch for model part ``part``
+    (``0`` is ``pre``, ``1 + i`` layer ``i``, ``num_layers + 1`` ``post``), from the step's ``key``.
+
+    >>> import jax
+    >>> a = sample_keys(jax.random.key(0), 2, 0, 4)
+    >>> b = sample_keys(jax.random.key(0), 2, 2, 2)
+    >>> a.shape, bool((jax.random.key_data(a[2:]) == jax.random.key_data(b)).all())
+    ((4,), True)
+    """
+    part_key = jax.random.fold_in(key, part)
+    return jax.vmap(lambda i: jax.random.fold_in(part_key, i))(first + jnp.arange(count))
+
+
+def _per_sample(call: Callable[[PyTree, jax.Array], PyTree], x: PyTree, keys: jax.Array) -> PyTree:
+    """``call`` on each sample of ``x`` as a batch of one, with that sample's key."""
+    def one(sample: PyTree, key: jax.Array) -> PyTree:
+        out = call(jax.tree.map(lambda a: a[None], sample), key)
+        return jax.tree.map(lambda a: a[0], out)
+
+    return jax.vmap(one)(x, keys)
+
+
+def _mode_keywords(module: nn.Module) -> Callable[[bool], dict[str, bool]]:
+    """How a Linen module's ``__call__`` is told training from evaluation, if it takes a flag."""
+    try:
+        names = inspect.signature(type(module).__call__).parameters
+    except (TypeError, ValueError):
+        names = {}
+    if "deterministic" in names:
+        return lambda training: {"deterministic": not training}
+    for name in ("train", "training", "is_training"):
+        if name in names:
+            return lambda training, name=name: {name: training}
+    return lambda training: {}
 
 
 def _linen_component(module: nn.Module) -> Component:
+    mode = _mode_keywords(module)
+
     def init(key: jax.Array, x: PyTree) -> Params:
-        variables = module.init(key, x)
+        variables = module.init({"params": key, "dropout": key}, x, **mode(False))
         extra = set(variables) - {"params"}
         if extra:
             raise ValueError(
@@ -44,10 +98,20 @@ def _linen_component(module: nn.Module) -> Component:
             )
         return variables.get("params", {})
 
-    def apply(params: Params, x: PyTree) -> PyTree:
-        return module.apply({"params": params}, x)
+    def apply(params: Params, x: PyTree, keys: jax.Array | None = None) -> PyTree:
+        if keys is None:
+            return module.apply({"params": params}, x, **mode(False))
+        return _per_sample(lambda xi, key: module.apply({"params": params}, xi, rngs={"dropout": key},
+                                                        **mode(True)), x, keys)
 
-    return Component(init, apply)
+    def uses_rng(params: Params, x: PyTree) -> bool:
+        try:  # a training call without keys: Linen refuses it where a layer draws random numbers
+            jax.eval_shape(lambda p, xi: module.apply({"params": p}, xi, **mode(True)), params, x)
+        except flax.errors.InvalidRngError:
+            return True
+        return False
+
+    return Component(init, apply, stochastic=uses_rng)
 
 
 def _rngs_by_keyword(constructor: Callable) -> bool:
@@ -76,20 +140,40 @@ def _nnx_component(constructor: Callable[[nnx.Rngs], nnx.Module], what: str) -> 
 
     abstract = nnx.eval_shape(lambda: build(jax.random.key(0)))
     graphdef, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
-    # Non-parameter state (e.g. an unused Rngs) is kept as constants from one instance.
+    # Non-parameter state (e.g. an unused Rngs) is kept as constants from one instance; a module
+    # holding random-number streams (nnx.Dropout keeps its Rngs) is stochastic.
     _, _, rest = nnx.split(build(jax.random.key(0)), nnx.Param, ...)
+    streams = [path for path, v in nnx.to_flat_state(rest) if isinstance(v, nnx.RngKey)]
+
+    def fresh(tree: Any) -> Any:
+        return jax.tree.map(lambda v: v, tree)  # a new State we may fill and mutate in place
+
+    def merged(params: Params, key: jax.Array | None) -> nnx.Module:
+        state = fresh(abstract_params)
+        nnx.replace_by_pure_dict(state, params)
+        extra = fresh(rest)
+        if key is not None:  # every stream restarts from the sample's key (a stream of its own each)
+            flat = dict(nnx.to_flat_state(extra))
+            for i, path in enumerate(streams):
+                flat[path].set_value(jax.random.fold_in(key, i))
+                count = path[:-1] + ("count",)
+                if count in flat:
+                    flat[count].set_value(jnp.zeros_like(flat[count].get_value()))
+        module = nnx.merge(graphdef, state, extra)
+        if key is None and streams:
+            module.eval()  # dropout off
+        return module
 
     def init(key: jax.Array, x: PyTree) -> Params:
         del x
         return nnx.to_pure_dict(nnx.split(build(key), nnx.Param, ...)[1])
 
-    def apply(params: Params, x: PyTree) -> PyTree:
-        state = copy.copy(abstract_params)
-        state = jax.tree.map(lambda v: v, state)  # a fresh State we may fill in place
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state, rest)(x)
+    def apply(params: Params, x: PyTree, keys: jax.Array | None = None) -> PyTree:
+        if keys is None or not streams:
+            return merged(params, None)(x)
+        return _per_sample(lambda xi, key: merged(params, key)(xi), x, keys)
 
-    return Component(init, apply)
+    return Component(init, apply, stochastic=bool(streams))
 
 
 def as_component(part: Any, what: str) -> Component:
@@ -162,14 +246,29 @@ class Staged:
         object.__setattr__(self, "_post", as_component(self.post, "post"))
 
     # -- the pure functions the executor composes -------------------------------------------
-    def embed(self, pre_params: Params, microbatch: PyTree) -> jax.Array:
-        return self._pre.apply(pre_params, microbatch)
+    # ``keys``: ``None`` to run deterministically (evaluation), else one key per sample (sample_keys)
+    def embed(self, pre_params: Params, microbatch: PyTree, keys: jax.Array | None = None) -> jax.Array:
+        return self._pre.apply(pre_params, microbatch, keys)
 
-    def layer_apply(self, layer_params: Params, hidden: jax.Array) -> jax.Array:
-        return self._layer.apply(layer_params, hidden)
+    def layer_apply(self, layer_params: Params, hidden: jax.Array,
+                    keys: jax.Array | None = None) -> jax.Array:
+        return self._layer.apply(layer_params, hidden, keys)
 
-    def head_loss(self, post_params: Params, hidden: jax.Array, microbatch: PyTree) -> jax.Array:
-        return self.loss(self._post.apply(post_params, hidden), microbatch)
+    def head_loss(self, post_params: Params, hidden: jax.Array, microbatch: PyTree,
+                  keys: jax.Array | None = None) -> jax.Array:
+        return self.loss(self._post.apply(post_params, hidden, keys), microbatch)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether a part draws random numbers when training (dropout): then each training step
+        needs a key (``jpipe.init(..., rng=...)``). Linen parts are known after :meth:`check`."""
+        return any(s is True for s in self._stochastic_parts())
+
+    def _stochastic_parts(self) -> tuple:
+        known = getattr(self, "_traced_stochastic", None)
+        if known is not None:
+            return known
+        return tuple(c.stochastic for c in (self._pre, self._layer, self._post))
 
     def check(self, microbatch: PyTree) -> jax.ShapeDtypeStruct:
         """Traces ``pre``, a ``layer`` and ``post`` with the loss on ``microbatch``'s shapes (nothing
@@ -210,6 +309,10 @@ class Staged:
         if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
             raise ValueError(f"the loss returns {_describe(loss)}, not a scalar; return the micro-batch's "
                              f"mean loss (e.g. jnp.mean(...))")
+        parts = ((self._pre, pre, microbatch), (self._layer, layer, hidden), (self._post, post, hidden))
+        object.__setattr__(self, "_traced_stochastic", tuple(
+            c.stochastic if isinstance(c.stochastic, bool) else bool(c.stochastic(p, x))
+            for c, p, x in parts))
         return hidden
 
     # -- the plain sequential model ----------------------------------------------------------
@@ -263,16 +366,26 @@ class Staged:
     def hidden_shape(self, pre_params: Params, microbatch: PyTree) -> jax.ShapeDtypeStruct:
         return jax.eval_shape(self.embed, pre_params, microbatch)
 
-    def loss_value(self, params: Params, batch: PyTree) -> jax.Array:
-        """The loss of the plain (unpipelined) model on ``batch``; params in sequential layout."""
-        h = self.embed(params["pre"], batch)
+    def loss_value(self, params: Params, batch: PyTree, rng: jax.Array | None = None) -> jax.Array:
+        """The loss of the plain (unpipelined) model on ``batch``; params in sequential layout.
+
+        Without ``rng`` stochastic layers are off (evaluation). With it they draw from
+        :func:`sample_keys` of ``rng``, as a pipelined training step does from its step's key
+        (:func:`jpipe.step_rng`), so the two agree exactly.
+        """
+        size = jax.tree.leaves(batch)[0].shape[0]
+        keys = (lambda part: None) if rng is None else (lambda part: sample_keys(rng, part, 0, size))
+        h = self.embed(params["pre"], batch, keys(0))
         layers = params["layers"]
         if isinstance(layers, (list, tuple)):
-            for p in layers:
-                h = self.layer_apply(p, h)
-        else:
+            for i, p in enumerate(layers):
+                h = self.layer_apply(p, h, keys(1 + i))
+        elif rng is None:
             h, _ = jax.lax.scan(lambda h, p: (self.layer_apply(p, h), None), h, layers)
-        return self.head_loss(params["post"], h, batch)
+        else:
+            h, _ = jax.lax.scan(lambda h, pi: (self.layer_apply(pi[0], h, keys(1 + pi[1])), None), h,
+                                (layers, jnp.arange(self.num_layers)))
+        return self.head_loss(params["post"], h, batch, keys(self.num_layers + 1))
 
 
 def unstack_layers(params: Params) -> Params:

@@ -70,18 +70,23 @@ class NonFiniteError(FloatingPointError):
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "skipped_steps"],
+    jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "skipped_steps", "rng"],
     meta_fields=["program"]
 )
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Parameters (pipelined layout), optimizer state, step count and skipped steps; a pytree."""
+    """Parameters (pipelined layout), optimizer state, step count and skipped steps; a pytree.
+
+    ``rng`` seeds the stochastic layers (dropout) of models that have them (``None``
+    otherwise): step ``s`` draws from ``jax.random.fold_in(rng, s)`` (:func:`step_rng`).
+    """
 
     step: jax.Array
     params: Params
     opt_state: optax.OptState
     program: Program
     skipped_steps: jax.Array | None = None  # steps whose update was skipped (non-finite loss)
+    rng: jax.Array | None = None  # stochastic models: the key their training steps draw from
 
     @property
     def plan(self) -> Plan:
@@ -199,7 +204,7 @@ def init(
         raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
-    if (rng is None) == (params is None):
+    if rng is None and params is None:
         raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
@@ -209,6 +214,7 @@ def init(
         return averaging.init(model, plan, optimizer, example_batch, rng=rng, params=params,
                               devices=devices, nan_policy=nan_policy)
     state = abstract_state(model, plan, optimizer, example_batch, devices=devices, nan_policy=nan_policy)
+    state = state.replace(rng=dropout_rng(model, rng, params, state.mesh))
     program = state.program
     shardings, opt_shardings = program.shardings
     microbatch = _microbatch(example_batch, plan)
@@ -245,6 +251,60 @@ def abstract_state(model: Staged, plan: Plan, optimizer: optax.GradientTransform
     return _new_state(model, plan, optimizer, table, layout, mesh, placed(params, shardings),
                       placed(opt_state, opt_shardings), example_batch, microbatch, nan_policy,
                       shardings=(shardings, opt_shardings))
+
+
+_DROPOUT_STREAM = 0x64726F70  # "drop": dropout keys are a stream of the init key of their own
+
+
+def dropout_rng(model: Staged, rng: jax.Array | None, params: Params | None, mesh: Mesh) -> jax.Array | None:
+    """The key a stochastic model's steps draw from (``None`` for other models), from ``init``'s
+    ``rng``; with ``params=`` a stochastic model needs ``rng=`` too, other models refuse both."""
+    if not model.stochastic:
+        if rng is not None and params is not None:
+            raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones); a "
+                             "model without stochastic layers takes no key with params=")
+        return None
+    if rng is None:
+        raise ValueError("the model has stochastic layers (dropout): pass rng= as well as params=; it "
+                         "seeds their masks (step s draws from jax.random.fold_in(rng', s))")
+    if not jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
+    return jax.device_put(jax.random.fold_in(rng, _DROPOUT_STREAM), NamedSharding(mesh, P()))
+
+
+def step_rng(state: TrainState) -> jax.Array:
+    """The key the next :func:`train_step` on ``state`` gives the stochastic layers:
+    ``model.loss_value(params, batch, rng=jpipe.step_rng(state))`` is the plain model's loss with
+    the same dropout masks (every sample's mask depends only on this key, the layer and the sample's
+    index in the batch, not on the mesh or the schedule).
+
+    >>> import jax, jax.numpy as jnp, optax, jpipe
+    >>> from flax import nnx
+    >>> class Block(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.lin, self.drop = nnx.Linear(8, 8, rngs=rngs), nnx.Dropout(0.1, rngs=rngs)
+    ...     def __call__(self, h): return h + self.drop(self.lin(h))
+    >>> from jpipe import models
+    >>> mlp = models.mlp(in_dim=3, hidden=8, out_dim=1, num_layers=2)
+    >>> model = jpipe.Staged(mlp.pre, Block, mlp.post, 2, mlp.loss)
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))}
+    >>> state = jpipe.init(model, jpipe.Plan(2, 1, 2), optax.sgd(0.1), batch, rng=jax.random.key(0),
+    ...                    devices=jax.devices()[:2])
+    >>> loss, _ = jpipe.value_and_grad(state, batch)
+    >>> ref = model.loss_value(jpipe.to_sequential(state), batch, rng=jpipe.step_rng(state))
+    >>> evaluation = model.loss_value(jpipe.to_sequential(state), batch)  # dropout off
+    >>> bool(jnp.allclose(loss, ref)), bool(jnp.allclose(loss, evaluation))
+    (True, False)
+    """
+    if state.rng is None:
+        raise ValueError("this state's model has no stochastic layers: its steps draw no random numbers")
+    return jax.random.fold_in(state.rng, state.step)
+
+
+def _grads(state: TrainState, batch: PyTree) -> tuple[jax.Array, Params]:
+    """The program's loss and gradients, given the step's key where the model is stochastic."""
+    key = () if state.rng is None else (step_rng(state),)
+    return state.program.grads(state.params, batch, *key)
 
 
 def _with_arrays(state: TrainState, params: Params, opt_state: PyTree) -> TrainState:
@@ -302,14 +362,15 @@ def place_params(params: Params, layout: Layout, shardings: PyTree) -> Params:
 
 def _new_state(model: Staged, plan: Plan, optimizer, table, layout: Layout, mesh: Mesh, pipelined: Params,
                opt_state, example_batch: PyTree, microbatch: PyTree, nan_policy: str,
-               replicas_over_data: bool = False, shardings: Any = None) -> TrainState:
+               replicas_over_data: bool = False, shardings: Any = None,
+               rng: jax.Array | None = None) -> TrainState:
     """The step-0 :class:`TrainState` around placed parameters and optimizer state: builds the program."""
     executor = Executor(model, table, layout, mesh, plan.remat, replicas_over_data=replicas_over_data,
                         shard=plan.shard)
     batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), example_batch)
     program = Program(model, plan, optimizer, mesh, layout, executor, batch_spec,
                       executor.build(microbatch, pipelined), nan_policy, shardings)
-    return _with_arrays(TrainState(None, pipelined, opt_state, program, None), pipelined, opt_state)
+    return _with_arrays(TrainState(None, pipelined, opt_state, program, None, rng), pipelined, opt_state)
 
 
 def _check_step_batch(state: TrainState, batch: PyTree) -> None:
@@ -341,7 +402,7 @@ def _train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str,
     program = state.program
     over_data = program.executor.replicas_over_data
     batch = jax.lax.with_sharding_constraint(batch, NamedSharding(program.mesh, batch_spec(over_data)))
-    loss, grads = program.grads(state.params, batch)
+    loss, grads = _grads(state, batch)
     updates, opt_state = program.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss}
@@ -472,7 +533,7 @@ def _value_and_grad(state: TrainState, batch: PyTree) -> tuple[jax.Array, Params
     program = state.program
     batch = jax.lax.with_sharding_constraint(
         batch, NamedSharding(program.mesh, batch_spec(program.executor.replicas_over_data)))
-    return program.grads(state.params, batch)
+    return _grads(state, batch)
 
 
 def to_sequential(state: TrainState) -> Params:

@@ -293,13 +293,23 @@ class Checkpointer:
                     "skipped_steps": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
         for e, shape, sharding in zip(entries, conv.shapes, conv.shardings):  # each process reads its shards
             abstract[keys[e.path]] = jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+        stochastic = state.program.model.stochastic
+        if stochastic:
+            if "rng" not in meta:
+                raise CheckpointError(
+                    f"the checkpoint at step {step} in {self.directory} has no dropout key, but the model "
+                    f"has stochastic layers: it was saved for a model without them; restore its parameters "
+                    f"with jpipe.init(..., params=ckpt.restore_params(), rng=...)")
+            abstract["rng"] = jax.ShapeDtypeStruct(tuple(meta["rng"]["shape"]), jnp.uint32,
+                                                   sharding=replicated)
         arrays = self._read(step, abstract)
+        rng = jax.random.wrap_key_data(arrays["rng"], impl=meta["rng"]["impl"]) if stochastic else None
         params, opt_state, prints = conv.from_checkpoint([arrays[keys[e.path]] for e in entries])
         saved = {e["path"]: e["fingerprint"] for e in meta["params"] + meta["opt_state"]}
         _verify([(e.path, saved[e.path]) for e in entries], [int(x) for x in jax.device_get(prints)], step,
                 self.directory)
         return state.replace(params=params, opt_state=opt_state, step=arrays["step"],
-                             skipped_steps=arrays["skipped_steps"])
+                             skipped_steps=arrays["skipped_steps"], rng=rng)
 
     def restore_params(self, step: int | None = None, device: jax.Device | None = None) -> dict:
         """Only the parameters, in sequential layout on one device: for ``model.loss_value`` or ``jpipe.init``.
@@ -545,8 +555,13 @@ def _to_checkpoint(state: TrainState) -> tuple[dict, dict]:
     skipped = state.skipped_steps if state.skipped_steps is not None else jnp.zeros((), jnp.int32)
     arrays["step"] = jax.device_put(state.step.astype(jnp.int32), replicated)
     arrays["skipped_steps"] = jax.device_put(jnp.asarray(skipped, jnp.int32), replicated)
+    extra = {}
+    if state.rng is not None:  # a stochastic model's dropout key: the resumed steps draw the same masks
+        arrays["rng"] = jax.device_put(jax.random.key_data(state.rng), replicated)
+        extra["rng"] = {"shape": list(arrays["rng"].shape), "impl": str(jax.random.key_impl(state.rng))}
     plan = program.plan
     return arrays, {
+        **extra,
         "format": FORMAT,
         "step": int(jax.device_get(state.step)),
         "num_layers": program.model.num_layers,

@@ -89,6 +89,9 @@ def _add_train(commands) -> argparse.ArgumentParser:
     add("--dtype", choices=DTYPES, default=d.dtype,
         help="compute dtype of the model (activations, matmuls, what stages send each other); parameters, "
              "gradients and the Adam state stay float32, softmax and loss are float32 (mixed precision)")
+    add("--dropout", type=float, default=d.dropout,
+        help="dropout rate of the GPT's embeddings and residual branches in training steps (evaluation "
+             "runs without); masks depend on --seed, the step and the sample, not on the plan")
     plan_default = "the planner's choice; beside other plan options, {}"
     add("--pipe", type=int, default=None, help="pipeline stages (default: " +
         plan_default.format(FIXED_PLAN["pipe"]) + ")")

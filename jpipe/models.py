@@ -151,9 +151,10 @@ class NNXEmbed(nnx.Module):
     """Token plus learned position embedding of ``mb["tokens"]``."""
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, *, dtype: Any = jnp.float32,
-                 rngs: nnx.Rngs):
+                 dropout: float = 0.0, rngs: nnx.Rngs):
         self.seq_len = seq_len
         self.dtype = dtype
+        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
         self.tokens = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, dtype=dtype,
                                 param_dtype=jnp.float32, rngs=rngs)
         self.positions = nnx.Param(_EMBED_INIT(rngs.params(), (seq_len, d_model), jnp.float32))
@@ -161,14 +162,15 @@ class NNXEmbed(nnx.Module):
     def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
         tokens = mb["tokens"]
         _check_tokens(tokens, self.seq_len)
-        return self.tokens(tokens) + self.positions[: tokens.shape[1]].astype(self.dtype)
+        h = self.tokens(tokens) + self.positions[: tokens.shape[1]].astype(self.dtype)
+        return h if self.drop is None else self.drop(h)
 
 
 class NNXBlock(nnx.Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
     def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, *, dtype: Any = jnp.float32,
-                 rngs: nnx.Rngs):
+                 dropout: float = 0.0, rngs: nnx.Rngs):
         def linear(i: int, o: int) -> nnx.Linear:
             return nnx.Linear(i, o, kernel_init=_KERNEL_INIT, bias_init=_BIAS_INIT, dtype=dtype,
                               param_dtype=jnp.float32, rngs=rngs)
@@ -180,10 +182,12 @@ class NNXBlock(nnx.Module):
         self.ln2 = nnx.LayerNorm(d_model, epsilon=_LN_EPS, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.fc = linear(d_model, mlp_ratio * d_model)
         self.out = linear(mlp_ratio * d_model, d_model)
+        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None  # on each residual branch
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.proj(causal_attention(self.qkv(self.ln1(x)), self.num_heads))
-        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+        branch = (lambda h: h) if self.drop is None else self.drop
+        x = x + branch(self.proj(causal_attention(self.qkv(self.ln1(x)), self.num_heads)))
+        return x + branch(self.out(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 
 class NNXHead(nnx.Module):
@@ -210,15 +214,17 @@ class LinenEmbed(nn.Module):
     seq_len: int
     d_model: int
     dtype: Any = jnp.float32
+    dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, mb: dict[str, jax.Array]) -> jax.Array:
+    def __call__(self, mb: dict[str, jax.Array], deterministic: bool = True) -> jax.Array:
         tokens = mb["tokens"]
         _check_tokens(tokens, self.seq_len)
         tok = nn.Embed(self.vocab_size, self.d_model, embedding_init=_EMBED_INIT, dtype=self.dtype,
                        param_dtype=jnp.float32, name="tokens")
         positions = self.param("positions", _EMBED_INIT, (self.seq_len, self.d_model), jnp.float32)
-        return tok(tokens) + positions[: tokens.shape[1]].astype(self.dtype)
+        h = tok(tokens) + positions[: tokens.shape[1]].astype(self.dtype)
+        return nn.Dropout(self.dropout)(h, deterministic=deterministic) if self.dropout else h
 
 
 class LinenBlock(nn.Module):
@@ -228,9 +234,10 @@ class LinenBlock(nn.Module):
     num_heads: int
     mlp_ratio: int
     dtype: Any = jnp.float32
+    dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         def dense(features: int, name: str) -> nn.Dense:
             return nn.Dense(features, kernel_init=_KERNEL_INIT, bias_init=_BIAS_INIT, dtype=self.dtype,
                             param_dtype=jnp.float32, name=name)
@@ -238,11 +245,15 @@ class LinenBlock(nn.Module):
         def layer_norm(name: str) -> nn.LayerNorm:
             return nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, param_dtype=jnp.float32, name=name)
 
+        def branch(h: jax.Array) -> jax.Array:  # dropout on each residual branch
+            return nn.Dropout(self.dropout)(h, deterministic=deterministic) if self.dropout else h
+
         h = layer_norm("ln1")(x)
         attention = causal_attention(dense(3 * self.d_model, "qkv")(h), self.num_heads)
-        x = x + dense(self.d_model, "proj")(attention)
+        x = x + branch(dense(self.d_model, "proj")(attention))
         h = layer_norm("ln2")(x)
-        return x + dense(self.d_model, "out")(jax.nn.gelu(dense(self.mlp_ratio * self.d_model, "fc")(h)))
+        mlp = dense(self.d_model, "out")(jax.nn.gelu(dense(self.mlp_ratio * self.d_model, "fc")(h)))
+        return x + branch(mlp)
 
 
 class LinenHead(nn.Module):
@@ -267,6 +278,7 @@ def gpt(
     mlp_ratio: int = 4,
     framework: str = "nnx",
     dtype: Any = jnp.float32,
+    dropout: float = 0.0,
 ) -> Staged:
     """A GPT-style decoder-only language model as a :class:`jpipe.Staged`.
 
@@ -283,6 +295,10 @@ def gpt(
     bytes), while the parameters stay float32 -- so is the optimizer state --
     and the attention softmax and the cross-entropy are taken in float32
     (LayerNorm statistics too). The executor accumulates gradients in float32.
+
+    ``dropout`` (GPT-2's places: the embeddings and each residual branch) is on in
+    training steps and off in ``loss_value`` without a key (evaluation); see
+    :func:`jpipe.step_rng`.
 
     >>> import jax, jax.numpy as jnp
     >>> model = gpt(vocab_size=16, seq_len=8, d_model=16, num_heads=2, num_layers=2)
@@ -311,22 +327,24 @@ def gpt(
               num_layers=num_layers, mlp_ratio=mlp_ratio)
     if d_model % num_heads:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     dtype = _compute_dtype(dtype)
     pre: Any
     layer: Any
     post: Any
     if framework == "nnx":
         def pre(rngs):
-            return NNXEmbed(vocab_size, seq_len, d_model, dtype=dtype, rngs=rngs)
+            return NNXEmbed(vocab_size, seq_len, d_model, dtype=dtype, dropout=dropout, rngs=rngs)
 
         def layer(rngs):
-            return NNXBlock(d_model, num_heads, mlp_ratio, dtype=dtype, rngs=rngs)
+            return NNXBlock(d_model, num_heads, mlp_ratio, dtype=dtype, dropout=dropout, rngs=rngs)
 
         def post(rngs):
             return NNXHead(d_model, vocab_size, dtype=dtype, rngs=rngs)
     else:
-        pre = LinenEmbed(vocab_size, seq_len, d_model, dtype)
-        layer = LinenBlock(d_model, num_heads, mlp_ratio, dtype)
+        pre = LinenEmbed(vocab_size, seq_len, d_model, dtype, dropout)
+        layer = LinenBlock(d_model, num_heads, mlp_ratio, dtype, dropout)
         post = LinenHead(vocab_size, dtype)
     return Staged(pre=pre, layer=layer, post=post, num_layers=num_layers, loss=_lm_loss,
                   check_batch=functools.partial(_check_token_range, vocab_size=vocab_size))

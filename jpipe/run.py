@@ -58,6 +58,7 @@ class TrainConfig:
     heads: int = 4
     framework: str = "nnx"
     dtype: str = "float32"  # the GPT's compute dtype; parameters and optimizer state are float32 either way
+    dropout: float = 0.0  # the GPT's dropout rate in training steps (evaluation runs without)
     pipe: int | None = None
     data: int | None = None
     microbatches: int | None = None
@@ -109,6 +110,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0 (0: never), got {value!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout!r}")
         if self.d_model % self.heads:
             raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
         if self.framework not in ("nnx", "linen"):
@@ -449,7 +452,8 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
 
     corpus = jdata.load(config.max_chars)
     model = models.gpt(corpus.vocab_size, config.seq_len, d_model=config.d_model, num_heads=config.heads,
-                       num_layers=config.layers, framework=config.framework, dtype=config.dtype)
+                       num_layers=config.layers, framework=config.framework, dtype=config.dtype,
+                       dropout=config.dropout)
 
     def train_batches() -> Iterator[dict]:
         return corpus.batches(config.seq_len, config.batch_size, seed=config.seed, split="train")

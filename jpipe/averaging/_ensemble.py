@@ -53,6 +53,7 @@ from jpipe._train import (
     _check_batch,
     _check_params,
     _new_state,
+    dropout_rng,
     _init_pipelined,
     place_params,
 )
@@ -109,8 +110,12 @@ def ensemble(model: Staged, pipelines: int) -> Staged:
     def pre_init(key: jax.Array, mb: PyTree) -> Params:
         return _replicate(pre.init(key, batch_slice(mb, 0)), n)
 
-    def pre_apply(params: Params, mb: PyTree) -> jax.Array:
-        return jax.vmap(pre.apply, in_axes=(0, 1))(params, mb)
+    # keys (stochastic models): [R, b], each replica's own sample keys
+    def pre_apply(params: Params, mb: PyTree, keys: jax.Array | None = None) -> jax.Array:
+        return jax.vmap(pre.apply, in_axes=(0, 1, 0))(params, mb, keys)
+
+    def each_replica(apply):
+        return lambda params, h, keys=None: jax.vmap(apply)(params, h, keys)
 
     def layer_init(key: jax.Array, h: jax.Array) -> Params:
         return _replicate(layer.init(key, h[0]), n)
@@ -125,10 +130,13 @@ def ensemble(model: Staged, pipelines: int) -> Staged:
         # replica's parameters get exactly their own pipeline's gradient.
         return total - jax.lax.stop_gradient(total - total / n)
 
+    def stochastic(i: int):  # as the model's part (jpipe.init checks the model first)
+        return lambda params, x: model._stochastic_parts()[i] is True
+
     return Staged(
-        pre=Component(pre_init, pre_apply),
-        layer=Component(layer_init, jax.vmap(layer.apply)),
-        post=Component(post_init, jax.vmap(post.apply)),
+        pre=Component(pre_init, pre_apply, stochastic(0)),
+        layer=Component(layer_init, each_replica(layer.apply), stochastic(1)),
+        post=Component(post_init, each_replica(post.apply), stochastic(2)),
         num_layers=model.num_layers,
         loss=loss,
         check_batch=model.check_batch,  # element-wise checks hold for [B, N, ...] batches too
@@ -238,7 +246,7 @@ def init(
     averaging = ElasticAveraging() if averaging is None else averaging
     if not isinstance(averaging, ElasticAveraging):
         raise TypeError(f"averaging must be a jpipe.averaging.ElasticAveraging, got {type(averaging).__name__}")
-    if (rng is None) == (params is None):
+    if rng is None and params is None:
         raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
@@ -266,12 +274,13 @@ def init(
         _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
         single = place_params(params, layout, single_shardings)
     return _assemble(ens, plan, optimizer, averaging, single, None, mesh, layout, table, example_batch,
-                     microbatch, nan_policy)
+                     microbatch, nan_policy, dropout_rng(model, rng, params, mesh))
 
 
 def _assemble(ens: Staged, plan: Plan, optimizer: optax.GradientTransformation, averaging: ElasticAveraging,
               single: Params, single_opt: PyTree | None, mesh: jax.sharding.Mesh, layout: Layout, table,
-              example_batch: PyTree, microbatch: PyTree, nan_policy: str) -> TrainState:
+              example_batch: PyTree, microbatch: PyTree, nan_policy: str,
+              rng: jax.Array | None) -> TrainState:
     """The ensemble's state from one pipelined model ``single`` (split over the mesh as ``Plan.shard=
     "parameters"`` keeps it): every replica starts from it, and so does the centre. ``single_opt``, if
     given, is that model's optimizer state (a synchronous run's), which every replica then starts
@@ -297,8 +306,10 @@ def _assemble(ens: Staged, plan: Plan, optimizer: optax.GradientTransformation, 
         return copies, fresh[1]
 
     opt_state = jax.jit(opt_init, out_shardings=shardings)(pipelined, single_opt)
+    # which parts are stochastic (as the model's), traced on what one data device runs: its N pipelines
+    ens.check(jax.tree.map(lambda a: a[:, :plan.pipelines], microbatch))
     return _new_state(ens, plan, full, table, layout, mesh, pipelined, opt_state, example_batch, microbatch,
-                      nan_policy, replicas_over_data=True, shardings=(param_shardings, shardings))
+                      nan_policy, replicas_over_data=True, shardings=(param_shardings, shardings), rng=rng)
 
 
 def from_synchronous(sync: TrainState, plan: Plan, optimizer: optax.GradientTransformation,
@@ -315,7 +326,7 @@ def from_synchronous(sync: TrainState, plan: Plan, optimizer: optax.GradientTran
     microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
     state = _assemble(ensemble(program.model, plan.pipelines), plan, optimizer, plan.averaging, sync.params,
                       sync.opt_state, program.mesh, program.layout, plan.table(), example_batch, microbatch,
-                      program.nan_policy)
+                      program.nan_policy, sync.rng)
     return state.replace(step=sync.step, skipped_steps=sync.skipped_steps)
 
 
