@@ -65,7 +65,10 @@ def read_metrics(run_dir: str, upto: int | None = None) -> tuple[list[dict], lis
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number} is not JSON: {e}") from None
-            step = int(record["step"])
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(f"{path}:{number} has no integer \"step\" (every line of a jpipe train "
+                                 f"metrics.jsonl is a JSON object with one): {line[:120]}")
+            step = record["step"]
             if upto is not None and step > upto:
                 continue
             (heldout if "heldout_loss" in record else train)[step] = record

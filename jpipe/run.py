@@ -145,7 +145,9 @@ def load_config(path: str) -> dict[str, Any]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except IsADirectoryError:
+        raise ValueError(f"config file {path!r} is a folder; give a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
     return {key.replace("-", "_"): value for key, value in raw.items()}
 
@@ -331,6 +333,7 @@ def train(
     out = config.out or _shared_run_dir()
     config = dataclasses.replace(config, out=out)
     checkpoints_dir = os.path.join(os.path.abspath(out), "checkpoints")
+    _check_out_folder(out)
     if resume:
         if not os.path.isdir(out):
             raise FileNotFoundError(f"cannot resume: run folder {out!r} does not exist")
@@ -378,6 +381,21 @@ def _resume_steps(checkpoints_dir: str, out: str, max_step: int, resume_step: in
         raise ValueError(f"the checkpoint of {out!r} to resume is at step {complete[-1]}, after --steps "
                          f"{max_step}; raise --steps to train further")
     return complete[::-1]
+
+
+def _check_out_folder(out: str) -> None:
+    """Refuses an ``--out`` that is a file, or a folder (or the nearest existing parent of one) that
+    this process cannot write, before anything runs."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file, not a folder; give a folder for the run (it is created "
+                         f"if missing)")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--out {out!r} cannot be created: {existing!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out!r}: {existing!r} is not writable by this user; choose another --out")
 
 
 class RunLock:

@@ -245,6 +245,19 @@ def test_train_rejects_bad_options_and_configs(tmp_path, capsys):
     fails(["train", "--config", str(tmp_path / "missing.toml")], "does not exist")
     fails(["train", "--resume", str(tmp_path / "nothing")], "no config.toml")
     fails(["report", str(tmp_path / "nothing")], "does not exist")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(128, 256)))
+    fails(["train", "--config", str(binary)], f"config file '{binary}' is not valid TOML")
+    fails(["train", "--dropout", "1.0"], "--dropout must be in [0, 1)")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    plan = ["--pipe", "2", "--data", "4", "--microbatches", "2", "--steps", "1"]
+    fails(["train", *plan, "--out", str(afile)], "is a file, not a folder")
+    fails(["train", *plan, "--out", str(afile / "run")], "cannot be created")
+    assert afile.read_text() == ""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"loss": 1.0}\n')
+    fails(["report", str(tmp_path / "run")], 'metrics.jsonl:2 has no integer "step"')
 
 
 def test_schedule_show(tmp_path, capsys):
