@@ -245,6 +245,27 @@ def test_gantt_png(tmp_path) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.parametrize("pipe, microbatches, costs", [(2, 3, None), (2, 3, Costs(1.0, 1.0, 1.0)),
+                                                       (4, 8, Costs(0.5, 1.0)), (8, 16, None)])
+def test_gantt_title_axis_label_and_legend_fit_and_do_not_overlap(pipe, microbatches, costs) -> None:
+    pytest.importorskip("matplotlib")
+    from jpipe.schedules._plot import _gantt_figure
+    fig = _gantt_figure(zb_h1(pipe, microbatches), costs, unit="cost units")
+    fig.canvas.draw()  # lays the labels out as the PNG has them
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    boxes = {"title": ax.title.get_window_extent(renderer), "xlabel": ax.xaxis.label.get_window_extent(renderer),
+             "legend": fig.legends[0].get_window_extent(renderer), "axes": ax.get_window_extent(renderer)}
+    page = fig.bbox
+    for name, box in boxes.items():
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, name
+    names = list(boxes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not boxes[a].overlaps(boxes[b]), (a, b)
+    assert ax.xaxis.label.get_text() == ("tick" if costs is None else "time (cost units)")
+
+
 def test_main_show(tmp_path) -> None:
     from jpipe.schedules import format_orders, main_show
     text = main_show("zb-h1", 4, 8)

@@ -52,14 +52,17 @@ def gantt_png(
     *,
     mode: str = "lockstep",
     title: str | None = None,
+    unit: str = "s",
     dpi: int = 120,
 ) -> str:
     """Writes a Gantt chart of ``table`` to ``path`` (PNG) and returns the path.
 
     Without ``costs`` the time axis is ticks (every action one tick wide).
-    With ``costs`` it is seconds from :func:`jpipe.schedules.simulate` in
-    ``mode`` (``"lockstep"`` or ``"async"``), and the title gives the makespan
-    and bubble.
+    With ``costs`` it is time from :func:`jpipe.schedules.simulate` in
+    ``mode`` (``"lockstep"`` or ``"async"``) in ``unit``, the costs' unit
+    (seconds for profiled costs, ``"cost units"`` for relative ones), and the
+    title gives the makespan and bubble. Title, axis label and legend do not
+    overlap and stay inside the picture.
 
     >>> import os, tempfile
     >>> from jpipe.schedules import one_f_one_b
@@ -67,6 +70,15 @@ def gantt_png(
     >>> open(path, "rb").read(4) == b"\\x89PNG"
     True
     """
+    fig = _gantt_figure(table, costs, mode=mode, title=title, unit=unit, dpi=dpi)
+    path = os.fspath(path)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _gantt_figure(table: Table, costs: Costs | None, *, mode: str = "lockstep", title: str | None = None,
+                  unit: str = "s", dpi: int = 120):
+    """The matplotlib figure that :func:`gantt_png` writes."""
     Figure, FigureCanvasAgg, Rectangle, Patch = _require_matplotlib()
     P, v = table.num_devices, table.num_chunks
     if costs is None:
@@ -84,14 +96,16 @@ def gantt_png(
 
         r = simulate(table, costs, mode=mode)
         spans = {a: (r.start[a], r.end[a]) for a in r.start}
-        makespan, xlabel = r.makespan, "time (s)"
-        subtitle = f"{mode}: makespan {r.makespan:.4g} s, bubble {r.bubble_fraction:.1%}"
+        makespan, xlabel = r.makespan, f"time ({unit})"
+        subtitle = f"{mode}: makespan {r.makespan:.4g} {unit}, bubble {r.bubble_fraction:.1%}"
     idle_frac = 1.0 - sum(e - s for s, e in spans.values()) / (P * makespan) if makespan > 0 else 0.0
     if costs is None:
         subtitle += f", idle {idle_frac:.1%}"
 
     width = min(40.0, max(6.0, 0.28 * len(spans) / P + 1.5))
-    fig = Figure(figsize=(width, 0.55 * P + 1.3), dpi=dpi)
+    legend_inches = 0.35  # a row under the axis label, kept free by tight_layout's rect
+    height = 0.55 * P + 1.6 + legend_inches
+    fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     shortest = min((e - s for s, e in spans.values() if e > s), default=1.0)
@@ -117,15 +131,12 @@ def gantt_png(
     if v > 1:
         handles.append(Patch(facecolor=_shade("F", v - 1, v), edgecolor="black", label=f"chunk {v - 1} (darker)"))
     handles.append(Patch(facecolor="#f4f4f4", edgecolor="black", label="idle"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if P < 4 else -0.2),
-              ncol=len(handles), frameon=False, fontsize=8)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
     head = title or (f"{table.name}: {P} devices" + (f" x {v} chunks" if v > 1 else "")
                      + f", {table.num_microbatches} micro-batches")
-    ax.set_title(f"{head} ({subtitle})", fontsize=10)
-    fig.tight_layout()
-    path = os.fspath(path)
-    fig.savefig(path, format="png")
-    return path
+    ax.set_title(f"{head}\n{subtitle}", fontsize=10)  # two lines: narrow pictures do not clip it
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
+    return fig
 
 
 def main_show(
@@ -188,7 +199,8 @@ def main_show(
         from jpipe.schedules._table import fuse_ticks
 
         table = fuse_ticks(table)
-    costs = costs if costs is not None else Costs(forward=1.0, backward=1.0, weight=1.0)
+    given_costs = costs is not None
+    costs = costs if given_costs else Costs(forward=1.0, backward=1.0, weight=1.0)
     lock, asy = simulate(table, costs), simulate(table, costs, mode="async")
 
     def fmt(x) -> str:
@@ -202,5 +214,5 @@ def main_show(
         f"peak held micro-batches per device: {lock.peak_held.tolist()}",
     ]
     if png is not None:
-        lines.append(f"wrote {gantt_png(table, png, costs)}")
+        lines.append(f"wrote {gantt_png(table, png, costs, unit='s' if given_costs else 'cost units')}")
     return "\n".join(lines)
