@@ -389,6 +389,11 @@ def _distributed_request(args: argparse.Namespace) -> dict[str, Any] | None:
     return explicit
 
 
+# jpipe train's wait for every process to join: a misconfigured run (a process missing, a duplicate
+# --process-id) then ends within a minute rather than JAX's default five
+INIT_TIMEOUT_S = 45
+
+
 def _pick_process_devices(pipe: int, data: int, across: str) -> list:
     """``pipe x data`` devices, the same number from every process, ordered so that ``across`` crosses them."""
     import jax
@@ -473,8 +478,12 @@ def _join(train: argparse.ArgumentParser, args: argparse.Namespace, config, requ
                         f"{expected} processes; choose --pipe/--data with a product that is a multiple of "
                         f"{expected}")
         _force_host_devices((pipe * data) // expected)  # before JAX creates its runtime
+    if request:  # say what it waits for: JAX is silent until every process has joined or time is up
+        print(f"process {request['process_id']} of {request['num_processes']}: joining the run at "
+              f"{request['coordinator']} (waiting up to {INIT_TIMEOUT_S} s for all "
+              f"{request['num_processes']} processes)", file=sys.stderr, flush=True)
     try:
-        info = distributed.initialize(**request)
+        info = distributed.initialize(**request, initialization_timeout=INIT_TIMEOUT_S)
     except (ValueError, RuntimeError) as e:
         train.error(str(e))
     if (pipe * data) % info.num_processes:

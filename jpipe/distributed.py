@@ -110,6 +110,8 @@ def initialize(
                              f"got {process_id!r}")
         if host in _LOOPBACK:
             bind = coordinator
+    if coordinator is not None and process_id == 0 and not jax.distributed.is_initialized():
+        _check_port_free(coordinator, loopback=bind is not None)
     if jax.distributed.is_initialized():
         if process_id is not None and (jax.process_index(), jax.process_count()) != (process_id, num_processes):
             raise RuntimeError(f"jax.distributed is already initialised as process {jax.process_index()} of "
@@ -132,7 +134,48 @@ def initialize(
             raise RuntimeError(f"{e}. Call jpipe.distributed.initialize() before any other JAX call "
                                f"(jax.devices(), creating arrays, jpipe.init, ...)") from e
         raise
+    _agree_on_the_count(num_processes, coordinator)
     return _info()
+
+
+def _agree_on_the_count(num_processes: int | None, coordinator: str | None, timeout_s: int = 60) -> None:
+    """A handshake through the coordinator's key-value store: each process states the number of
+    processes it was started with, and every process refuses the run where one differs.
+
+    JAX takes the count from process 0 and lets a process that says otherwise join in silence. All
+    processes raise together, so that none waits in its first collective (or in the shutdown barrier
+    at exit) for one that has given up.
+    """
+    import jax
+    from jax._src import distributed as jax_distributed  # the store JAX's own barriers use
+
+    client = jax_distributed.global_state.client
+    count, me = jax.process_count(), jax.process_index()
+    client.key_value_set(f"jpipe/num_processes/{me}", str(count if num_processes is None else num_processes))
+    views = {p: int(client.blocking_key_value_get(f"jpipe/num_processes/{p}", timeout_s * 1000))
+             for p in range(count)}
+    wrong = {p: n for p, n in views.items() if n != count}
+    if wrong:
+        said = ", ".join(f"process {p} with {n}" for p, n in sorted(wrong.items()))
+        raise RuntimeError(
+            f"the run at {coordinator or 'the detected coordinator'} has {count} processes (process 0's "
+            f"--num-processes), but {said}; start every process with the same --num-processes")
+
+
+def _check_port_free(coordinator: str, loopback: bool) -> None:
+    """Process 0 listens on the coordinator's port: refuse at once where something else already does
+    (JAX's own error would come only after its initialization timeout, as "another task died")."""
+    import socket
+
+    host, port = parse_coordinator(coordinator)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the coordinator's server binds
+        try:
+            sock.bind((host if loopback else "", port))
+        except OSError as e:
+            raise ValueError(f"the coordinator port {port} is already in use on this host ({e.strerror}): "
+                             f"another run, or one still exiting, listens there; choose another port in "
+                             f"--coordinator {host}:PORT (the same on every process)") from None
 
 
 def detected_num_processes() -> int | None:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -335,6 +336,39 @@ def test_initialize_rejects_bad_arguments():
         distributed.initialize("127.0.0.1:1234", 2)
     with pytest.raises(ValueError, match="process_id must be an int from 0 to num_processes - 1 = 1"):
         distributed.initialize("127.0.0.1:1234", 2, 2)
+
+
+def test_the_coordinator_port_in_use_is_named_at_once():
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"coordinator port {port} is already in use"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+
+
+def mismatched_worker() -> None:
+    """Process 1 says there are three processes; process 0 (the coordinator) says two."""
+    env = os.environ
+    me = int(env[distributed.ENV_PROCESS_ID])
+    try:
+        distributed.initialize(env[distributed.ENV_COORDINATOR], 2 + me, me, initialization_timeout=60)
+    except RuntimeError as e:
+        print("REFUSED", e, flush=True)
+        sys.exit(3)
+    time.sleep(120)
+
+
+def test_a_process_with_another_num_processes_is_refused_by_every_process(cache_env):
+    results = distributed.launch_local(mismatched_worker, num_processes=2, devices_per_process=1, timeout=120,
+                                       env=cache_env)
+    for r in results:  # both refuse at once (the launcher may end the second after the first exits)
+        assert "has 2 processes (process 0's --num-processes), but process 1 with 3" in r.output, r.output[-2000:]
+        assert r.returncode == 3 or r.killed
+        assert r.elapsed_s < 60
+    assert any(r.returncode == 3 for r in results)
 
 
 if __name__ == "__main__":  # pragma: no cover
