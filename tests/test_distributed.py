@@ -289,6 +289,57 @@ def test_jpipe_train_two_processes_equals_one_process(tmp_path, cache_env, acros
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def interrupted_cli_worker(out: str, argv: list[str]) -> None:
+    """:func:`cli_worker`, where process 1 alone gets Ctrl-C (SIGINT) once process 0 has recorded step 1."""
+    import threading
+
+    if os.environ[distributed.ENV_PROCESS_ID] == "1":
+        metrics = Path(out) / "metrics.jsonl"
+
+        def interrupt_after_the_first_step() -> None:
+            while not (metrics.exists() and '"loss"' in metrics.read_text()):
+                time.sleep(0.02)
+            print("SIGINT", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_after_the_first_step, daemon=True).start()
+    cli_worker(out, argv, explicit=False)
+
+
+def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step_and_resumes_exactly(tmp_path, cache_env):
+    from jpipe import cli
+    from jpipe.checkpoint import Checkpointer
+
+    argv = [*TINY_RUN, "--steps", "12", "--eval-every", "0", "--pipe", "2", "--data", "1", "--across", "pipe"]
+    out = tmp_path / "two"
+    results = distributed.launch_local(interrupted_cli_worker, num_processes=2, devices_per_process=1,
+                                       timeout=240, args=[str(out), argv], grace=60, env=cache_env)
+    stopped = set()
+    for r in results:
+        assert r.returncode == 130 and not r.killed and "Traceback" not in r.output, r.output[-3000:]
+        said = [line for line in r.output.splitlines() if "jpipe train: interrupted after step" in line]
+        assert len(said) == 1 and f"resume with: jpipe train --resume {out}" in said[0], r.output[-2000:]
+        stopped.add(int(said[0].split("after step ")[1].split()[0]))
+    assert "SIGINT" in results[1].output
+    assert len(stopped) == 1, stopped  # every process stopped after the same step
+    (step,) = stopped
+    assert 1 <= step < 12
+    assert abs(results[0].elapsed_s - results[1].elapsed_s) < 30  # no process waited for a heartbeat timeout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and summary["stopped_at"] == step
+    with Checkpointer(out / "checkpoints") as ckpt:
+        assert ckpt.latest_step() == step
+
+    # the resumed run (here in one process) continues the uninterrupted run's losses to the last bit
+    assert cli.main(["train", "--resume", str(out)]) == 0
+    ref = tmp_path / "one"
+    assert cli.main(["train", *argv, "--out", str(ref)]) == 0
+    resumed, _ = _metrics(out)
+    uninterrupted, _ = _metrics(ref)
+    assert [s for s, _ in resumed] == list(range(1, 13))
+    assert [float(x).hex() for _, x in resumed] == [float(x).hex() for _, x in uninterrupted]
+
+
 def test_jpipe_train_multi_process_options_are_checked(capsys):
     from jpipe import cli
 
