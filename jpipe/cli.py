@@ -264,7 +264,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
         limit = None if args.memory_limit is None else args.memory_limit * 2**20
         batch = {"tokens": tokens, "targets": tokens}
-        choice = jpipe.plan(model, batch, devices=devices, memory_limit=limit, profile_rounds=args.profile_rounds)
+        choice = jpipe.plan(model, batch, devices=devices, memory_limit=limit, profile_rounds=args.profile_rounds,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))  # stdout: the table
         if args.measure:
             from jpipe import partition
 

@@ -241,11 +241,13 @@ def _shared_run_dir() -> str:
     return bytes(buf[buf != 0]).decode()
 
 
-def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) -> tuple[Any, str, str | None]:
+def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence,
+                log: Callable[..., None] = print) -> tuple[Any, str, str | None]:
     """The plan to run, where it came from (``"options"`` or ``"planner"``) and, from
     the planner, its ranked candidates as text.
 
-    Options override (what they leave out from :data:`FIXED_PLAN`); with none, ``jpipe.plan`` decides.
+    Options override (what they leave out from :data:`FIXED_PLAN`); with none, ``jpipe.plan`` decides,
+    and ``log`` gets its progress (what it profiles, how many candidates it ranked).
 
     >>> import jax
     >>> plan, source, _ = choose_plan(TrainConfig(pipe=2, data=1), None, None, jax.devices())
@@ -255,7 +257,10 @@ def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence) ->
     import jpipe
 
     if not config.plan_given:
-        choice = jpipe.plan(model, example_batch, devices=list(devices))
+        log(f"planning: no plan options (--pipe, --data, --microbatches, --schedule), so the planner profiles "
+            f"the model and picks the fastest plan for {len(devices)} devices", flush=True)
+        choice = jpipe.plan(model, example_batch, devices=list(devices),
+                            progress=lambda line: log(line, flush=True))
         chosen = dataclasses.replace(choice.plan, remat=choice.plan.remat or config.remat,
                                      fuse_ticks=choice.plan.fuse_ticks or config.fuse_ticks)
         return chosen, "planner", choice.table(10)
@@ -487,7 +492,7 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
                           fuse_ticks=rec.get("fuse_ticks", False))
         source, candidates = rec["source"], rec.get("planner_candidates")
     else:
-        plan, source, candidates = choose_plan(config, model, example, available)
+        plan, source, candidates = choose_plan(config, model, example, available, log)
     if plan.num_devices > len(available):
         raise ValueError(f"the plan needs pipe x data = {plan.num_devices} devices but {len(available)} are "
                          f"available; lower --pipe/--data")

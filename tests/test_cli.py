@@ -188,11 +188,11 @@ def test_resume_skips_a_damaged_newest_checkpoint(full_run, tmp_path, capsys):
     assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)  # steps 3 and 4 again, as before
 
 
-def _interrupt(out: str, *when: str) -> tuple[int, str]:
+def _interrupt(out: str, *when: str, options: list[str] | None = None) -> tuple[int, str]:
     """Runs ``jpipe train`` as its own process and sends it SIGINT once a line containing ``when[0]``
     is printed, again after ``when[1]`` (if given), ...; returns the exit code and stderr."""
-    argv = [sys.executable, "-m", "jpipe", "train", *TINY, "--steps", "4", "--out", out, "--schedule", "1f1b-b",
-            "--fuse-ticks"]
+    options = [*TINY, "--steps", "4", "--schedule", "1f1b-b", "--fuse-ticks"] if options is None else options
+    argv = [sys.executable, "-m", "jpipe", "train", *options, "--out", out]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     waiting = list(when)
     for line in proc.stdout:
@@ -217,6 +217,30 @@ def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_exactly(full_run
     assert os.path.isfile(os.path.join(out, "report.md"))
     assert cli.main(["train", "--resume", out]) == 0
     assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)
+
+
+def test_an_interrupt_during_planning_stops_before_the_first_step_and_resumes_on_the_chosen_plan(tmp_path):
+    unplanned = [a for i, a in enumerate(TINY) if not {a, TINY[i - 1]} & {"--pipe", "--data", "--microbatches"}]
+    options = [*unplanned, "--steps", "3"]
+    out = str(tmp_path / "planning")
+    code, err = _interrupt(out, "profiling: timing", options=options)
+    assert code == 130 and "Traceback" not in err, err
+    assert f"interrupted after step 0 (checkpoint saved); resume with: jpipe train --resume {out}" in err
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["interrupted"] and summary["stopped_at"] == 0 and summary["steps_run"] == 0
+    with open(os.path.join(out, "plan.json")) as f:
+        plan = json.load(f)
+    assert plan["source"] == "planner" and plan["pipe"] * plan["data"] == 8
+
+    assert cli.main(["train", "--resume", out]) == 0  # on the plan chosen before the interrupt
+    ref = str(tmp_path / "uninterrupted")
+    explicit = ["--pipe", str(plan["pipe"]), "--data", str(plan["data"]), "--microbatches",
+                str(plan["microbatches"]), "--schedule", plan["schedule"]]
+    explicit += ["--remat"] * plan["remat"] + ["--fuse-ticks"] * plan["fuse_ticks"]
+    assert cli.main(["train", *options, *explicit, "--out", ref]) == 0
+    assert sorted(_losses(out)) == [1, 2, 3]
+    assert [x.hex() for x in _losses(out).values()] == [x.hex() for x in _losses(ref).values()]
 
 
 def test_a_second_interrupt_aborts_at_once_without_a_traceback(tmp_path):

@@ -989,6 +989,7 @@ class Profiler:
         warmup: int = 2,
         comm: bool = True,
         seed: int = 0,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         import jax
         import numpy as np
@@ -1004,8 +1005,11 @@ class Profiler:
         if microbatch_sizes is not None and any(int(s) < 1 for s in microbatch_sizes):
             raise ValueError(f"microbatch_sizes must be >= 1, got {list(microbatch_sizes)}")
         self.repeats, self.warmup = repeats, warmup
+        self._progress = progress or (lambda message: None)
         self._model, self._size = model, int(size)
         self._others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
+        self._progress(f"profiling: compiling pre, one layer, post and a training step at micro-batch sizes "
+                       f"{sorted({self._size, *self._others})} on {local[0]}")
         self._parts = [part for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))
                        for part in _parts(model, mb, optimizer, local[0], seed)]
         self._updates = _update_runs(model, example_microbatch, optimizer, local[0], seed)
@@ -1019,6 +1023,8 @@ class Profiler:
             pre, layer, post = self._parts[:3]
             io = pre.cost.param_bytes + post.cost.param_bytes
             every = io + layer.cost.param_bytes * model.num_layers
+            self._progress(f"profiling: compiling the activation exchange and the gradient all-reduce over "
+                           f"{len(devices)} devices")
             self._comm = (
                 len(devices),
                 _comm_runs(devices, [], [io, (io + every) / 2, every], _EXCHANGE_TICKS),
@@ -1038,6 +1044,8 @@ class Profiler:
         import jax
 
         repeats = self.repeats if repeats is None else repeats
+        self._progress(f"profiling: timing every part {repeats} times"
+                       + (" with the communication" if self._comm is not None else ""))
         # the communication is timed in turns with the parts, not after them: on a shared machine what an
         # exchange costs drifts over tens of seconds (gloo on 2 CPU processes: 0.9-2.4 ms a tick at 128 KiB
         # in 5 s windows), and a profile should see it over the same span as the compute it is set against
@@ -1103,6 +1111,7 @@ def profile(
     comm: bool = True,
     seed: int = 0,
     rounds: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> Profile:
     """Measures a :class:`jpipe.Staged` model on the current backend.
 
@@ -1135,7 +1144,8 @@ def profile(
     turns (the others wait at a barrier), and the ratio is ``contention``. With ``rounds`` > 1,
     the mean (:func:`mean_profile`) of that many profiles taken back to back: on
     a shared machine an exchange's cost drifts over tens of seconds, and one
-    profile of a few seconds can miss a long run's mean by 2x.
+    profile of a few seconds can miss a long run's mean by 2x. ``progress``, if given, is called
+    with a line before each phase (what it compiles, what it times).
 
     >>> import jax.numpy as jnp, jpipe.models
     >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=3)
@@ -1146,4 +1156,4 @@ def profile(
     """
     return Profiler(model, example_microbatch, optimizer=optimizer, devices=devices,
                     microbatch_sizes=microbatch_sizes, repeats=repeats, warmup=warmup, comm=comm,
-                    seed=seed).measure(rounds=rounds)
+                    seed=seed, progress=progress).measure(rounds=rounds)

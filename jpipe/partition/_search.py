@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -498,7 +498,8 @@ def _device_memory(devices: Sequence[Any]) -> float | None:
 def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
          memory_limit: float | None = None, *, profile: Profile | None = None,
          schedules: Sequence[str] = DEFAULT_SCHEDULES, optimizer: Any = None,
-         max_microbatches: int = 64, profile_rounds: int = 1) -> PlanChoice:
+         max_microbatches: int = 64, profile_rounds: int = 1,
+         progress: Callable[[str], None] | None = None) -> PlanChoice:
     """Profiles ``model`` and returns the fastest predicted :class:`jpipe.Plan` that fits, with a ranked table.
 
     Searches mesh shapes (``pipe x data = len(devices)``), uneven partitions
@@ -508,7 +509,8 @@ def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
     device reports, else no limit). Pass a ``profile`` to skip measuring, or
     ``profile_rounds`` > 1 to plan from the mean of that many profiles taken back
     to back (:func:`partition.profile`'s ``rounds``): on a shared machine one
-    profile of a few seconds can catch a slow spell and rank plans by it.
+    profile of a few seconds can catch a slow spell and rank plans by it. ``progress``, if
+    given, is called with a line per phase: what it profiles, then how many candidates it ranked.
 
     >>> import jax, jax.numpy as jnp, jpipe, jpipe.models
     >>> model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
@@ -530,9 +532,13 @@ def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
         microbatch = jax.tree.map(lambda a: a[:mb], example_batch)
         sizes = profile_sizes(len(devices), batch, max_microbatches)
         profile = measure(model, microbatch, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
-                          rounds=profile_rounds)
+                          rounds=profile_rounds, progress=progress)
     if memory_limit is None:
         memory_limit = _device_memory(devices)
-    return search(profile, len(devices), batch, memory_limit=memory_limit, schedules=schedules,
-                  max_microbatches=max_microbatches)
+    choice = search(profile, len(devices), batch, memory_limit=memory_limit, schedules=schedules,
+                    max_microbatches=max_microbatches)
+    if progress is not None:
+        fits = sum(c.fits for c in choice.candidates)
+        progress(f"planning: ranked {len(choice.candidates)} candidate plans ({fits} fit in memory)")
+    return choice
 
