@@ -213,7 +213,7 @@ def test_an_interrupted_run_stops_with_a_checkpoint_and_resumes_exactly(full_run
     assert f"resume with: jpipe train --resume {out}" in err.strip().splitlines()[-1]
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["interrupted"] and summary["stopped_at"] in range(0, 4)
+    assert summary["interrupted"] and summary["stopped_at"] in range(4)
     assert os.path.isfile(os.path.join(out, "report.md"))
     assert cli.main(["train", "--resume", out]) == 0
     assert _losses(out) == pytest.approx(_losses(full_run), rel=1e-6)
@@ -249,41 +249,6 @@ def test_a_second_interrupt_aborts_at_once_without_a_traceback(tmp_path):
     assert "interrupted twice" in err
 
 
-def test_train_rejects_bad_options_and_configs(tmp_path, capsys):
-    def fails(argv: list[str], needle: str) -> None:
-        with pytest.raises(SystemExit):
-            cli.main(argv)
-        assert needle in capsys.readouterr().err, needle
-
-    fails(["train", "--batch-size", "6", "--pipe", "2", "--data", "2", "--microbatches", "2",
-           "--max-chars", str(SMALL_CORPUS)], "multiple of data x microbatches")
-    fails(["train", "--schedule", "zigzag", "--steps", "1", "--max-chars", str(SMALL_CORPUS)], "zigzag")
-    fails(["train", "--d-model", "10", "--heads", "4"], "divisible")
-    bad = tmp_path / "bad.toml"
-    bad.write_text("stepz = 3\n")
-    fails(["train", "--config", str(bad)], "unknown key 'stepz'")
-    bad.write_text('steps = "many"\n')
-    fails(["train", "--config", str(bad)], "steps must be an integer")
-    bad.write_text("steps = \n")
-    fails(["train", "--config", str(bad)], "not valid TOML")
-    fails(["train", "--config", str(tmp_path / "missing.toml")], "does not exist")
-    fails(["train", "--resume", str(tmp_path / "nothing")], "no config.toml")
-    fails(["report", str(tmp_path / "nothing")], "does not exist")
-    binary = tmp_path / "binary.toml"
-    binary.write_bytes(bytes(range(128, 256)))
-    fails(["train", "--config", str(binary)], f"config file '{binary}' is not valid TOML")
-    fails(["train", "--dropout", "1.0"], "--dropout must be in [0, 1)")
-    afile = tmp_path / "afile"
-    afile.write_text("")
-    plan = ["--pipe", "2", "--data", "4", "--microbatches", "2", "--steps", "1"]
-    fails(["train", *plan, "--out", str(afile)], "is a file, not a folder")
-    fails(["train", *plan, "--out", str(afile / "run")], "cannot be created")
-    assert afile.read_text() == ""
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"loss": 1.0}\n')
-    fails(["report", str(tmp_path / "run")], 'metrics.jsonl:2 has no integer "step"')
-
-
 def test_schedule_show(tmp_path, capsys):
     png = tmp_path / "g.png"
     assert cli.main(["schedule", "show", "1f1b", "--pipe", "2", "--microbatches", "3", "--png", str(png)]) == 0
@@ -295,17 +260,6 @@ def test_schedule_show(tmp_path, capsys):
     assert "ticks of 2 lanes" in out and "   | " in out
     with pytest.raises(SystemExit):
         cli.main(["schedule", "show", "zigzag"])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["schedule", "show", "1f1b", "--microbatches", "-3"], "microbatches must be at least 1, got -3"),
-    (["schedule", "show", "1f1b", "--pipe", "0"], "pipe must be at least 1, got 0"),
-    (["schedule", "show", "1f1b", "--chunks", "2"], "schedule '1f1b' takes no num_chunks (it is not interleaved"),
-], ids=["negative-microbatches", "zero-pipe", "chunks-of-a-plain-schedule"])
-def test_schedule_show_refuses_bad_options(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_version(capsys):

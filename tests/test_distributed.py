@@ -340,25 +340,6 @@ def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step_and_resumes_
     assert [float(x).hex() for _, x in resumed] == [float(x).hex() for _, x in uninterrupted]
 
 
-def test_jpipe_train_multi_process_options_are_checked(capsys):
-    from jpipe import cli
-
-    def fails(argv: list[str], needle: str) -> None:
-        with pytest.raises(SystemExit):
-            cli.main(["train", *argv])
-        err = capsys.readouterr().err
-        assert needle in err, err
-
-    join = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
-    fails(["--coordinator", "127.0.0.1:1", "--num-processes", "2"], "missing --process-id")
-    fails(["--pipe", "2", "--coordinator", "127.0.0.1", "--num-processes", "2", "--process-id", "0"],
-          "coordinator must be HOST:PORT")
-    fails(["--pipe", "2", *join[:4], "--process-id", "2"], "--process-id must be from 0 to")
-    fails(["--pipe", "2", *join, "--distributed"], "not both")
-    fails(join, "give the plan explicitly")  # the planner could choose differently in each process
-    fails(["--pipe", "3", "--data", "1", "--microbatches", "2", "--batch-size", "6", *join], "cannot be split evenly over 2 processes")
-
-
 def test_launcher_kills_all_on_timeout_and_returns_outputs(tmp_path):
     script = tmp_path / "sleepy.py"
     script.write_text("import os, time\nprint('up', os.environ['JPIPE_PROCESS_ID'], flush=True)\n"
@@ -378,26 +359,6 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     assert all(r.killed for r in results[1:]) and max(r.elapsed_s for r in results) < 30
     with pytest.raises(distributed.LaunchError, match="process 0: exit 3"):
         distributed.launch_local(script, num_processes=2, timeout=120, check=True)
-
-
-def test_initialize_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="coordinator must be HOST:PORT"):
-        distributed.initialize("127.0.0.1", 2, 0)
-    with pytest.raises(ValueError, match="also give process_id"):
-        distributed.initialize("127.0.0.1:1234", 2)
-    with pytest.raises(ValueError, match="process_id must be an int from 0 to num_processes - 1 = 1"):
-        distributed.initialize("127.0.0.1:1234", 2, 2)
-
-
-def test_the_coordinator_port_in_use_is_named_at_once():
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        with pytest.raises(ValueError, match=f"coordinator port {port} is already in use"):
-            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
 
 
 def mismatched_worker() -> None:

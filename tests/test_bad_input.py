@@ -1,16 +1,19 @@
-"""Bad input of every kind fails at once with an error naming the problem: no hang, no wrong result.
+"""Bad input of every kind fails at once with an error that names the problem and the fix: no hang, no
+crash, no wrong result, nothing changed on disk.
 
-Kinds covered here: batch feature shape, batch dtype, batch leading size, leaves that disagree on it,
-a missing batch key, something that is not a TrainState, a plan that does not fit the devices, three
-partition errors, a schedule table that deadlocks, a schedule table for other devices, an unknown
-schedule, NaN and inf in the batch, a non-finite loss, a bad NaN policy, parameters in the wrong
-layout, an optimizer that does not match the checkpoint, a model that does not match it, a damaged
-array file, damaged metadata, an empty checkpoint directory, bad checkpoint settings and a bad
-coordinator address.
+Sections: the batch, the plan, partition and schedule, the model's parts, NaN and inf, consumed states,
+the parameters' layout, checkpoints, the zoo's token ids, the command line (options, config files, run
+folders, paths, ``jpipe report`` and ``jpipe schedule show``) and multi-process runs. Cases that need a
+finished run (a refused ``--resume`` leaves the folder as it was) are in ``test_cli.py``; those that need
+two live processes in ``test_distributed.py`` (each bounded at 60 s).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -92,16 +95,15 @@ def test_bad_partition(model, partition, message):
 
 
 def _staged(**changes) -> jpipe.Staged:
-    parts = dict(pre=NnxEmbed, layer=NnxBlock, post=lambda rngs: nnx.Linear(HIDDEN, 3, rngs=rngs), num_layers=4,
-                 loss=mse)
-    parts.update(changes)
-    return jpipe.Staged(**parts)
+    parts = {"pre": NnxEmbed, "layer": NnxBlock, "post": lambda rngs: nnx.Linear(HIDDEN, 3, rngs=rngs),
+             "num_layers": 4, "loss": mse}
+    return jpipe.Staged(**{**parts, **changes})
 
 
 @pytest.mark.parametrize("model, message", [
     (_staged(layer=lambda rngs: nnx.Linear(HIDDEN, 8, rngs=rngs)),
-     r"layer maps the hidden state float32\[8, 16\] to float32\[8, 8\]; every layer must keep the hidden "
-     r"shape and dtype"),
+     (r"layer maps the hidden state float32\[8, 16\] to float32\[8, 8\]; every layer must keep the hidden "
+      r"shape and dtype")),
     (_staged(layer=lambda rngs: nnx.Linear(HIDDEN, HIDDEN, dtype=jnp.bfloat16, rngs=rngs)),
      r"layer maps the hidden state float32\[8, 16\] to bfloat16\[8, 16\]"),
     (_staged(loss=lambda out, mb: (out - mb["y"]) ** 2),
@@ -120,6 +122,12 @@ class KeywordBlock(nnx.Module):
 
     def __call__(self, h):
         return h + self.linear(h)
+
+
+def test_nnx_module_instance_instead_of_constructor():
+    with pytest.raises(TypeError, match=r"pass a constructor instead"):
+        jpipe.Staged(pre=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), layer=lambda rngs: nnx.Linear(2, 2, rngs=rngs),
+                     post=lambda rngs: nnx.Linear(2, 2, rngs=rngs), num_layers=2, loss=lambda o, b: o.mean())
 
 
 def test_nnx_constructors_may_take_rngs_by_keyword():
@@ -161,8 +169,54 @@ def test_schedule_table_for_other_devices(model):
 
 
 def test_unknown_schedule():
-    with pytest.raises(ValueError, match=r"unknown schedule 'zb-h9'"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb-h9'; choose one of \[.*'1f1b-b'.*'gpipe'.*\]"):
         jpipe.Plan(2, 1, 2, schedule="zb-h9")
+
+
+def test_mesh_size_must_match_devices():
+    with pytest.raises(ValueError, match=r"pipe x data = 4 x 4 = 16 but there are 8 devices"):
+        jpipe.make_mesh(4, 4)
+
+
+def test_init_with_a_plan_smaller_than_the_devices_names_devices(model):
+    with pytest.raises(ValueError, match=r"4 x 1 = 4 but there are 8 devices.*devices="):
+        jpipe.init(model, jpipe.Plan(4, 1, 2), optax.sgd(0.1), make_batch(8), rng=jax.random.key(0))
+
+
+def test_batch_not_divisible_by_data_times_microbatches(model):
+    with pytest.raises(ValueError, match=r"10 samples, not divisible by data x microbatches = 1 x 4 = 4"):
+        jpipe.init(model, jpipe.Plan(2, 1, 4), optax.sgd(0.1), make_batch(10), rng=jax.random.key(0),
+                   devices=DEVICES)
+
+
+def test_more_stages_than_layers(model):
+    with pytest.raises(ValueError, match=r"8 pipeline stages but the model has only 4 layers"):
+        jpipe.init(model, jpipe.Plan(8, 1, 8), optax.sgd(0.1), make_batch(16), rng=jax.random.key(0))
+
+
+@pytest.mark.parametrize("field", ["pipe", "data", "microbatches"])
+def test_counts_must_be_positive(field):
+    kwargs = {"pipe": 2, "data": 1, "microbatches": 2, field: 0}
+    with pytest.raises(ValueError, match=rf"Plan.{field} must be an int >= 1, got 0"):
+        jpipe.Plan(**kwargs)
+
+
+def test_params_with_wrong_layer_count(model):
+    params = make_model("nnx", num_layers=6).init_params(jax.random.key(0), make_batch(8))
+    with pytest.raises(ValueError, match=r"params\['layers'\] has 6 entries, the model has 4 layers"):
+        jpipe.init(model, PLAN, optax.sgd(0.1), make_batch(16), params=params, devices=DEVICES)
+
+
+def test_rng_or_params_exactly_one(model):
+    with pytest.raises(ValueError, match=r"exactly one of rng="):
+        jpipe.init(model, PLAN, optax.sgd(0.1), make_batch(16), devices=DEVICES)
+
+
+def test_schedule_function_for_wrong_sizes(model):
+    plan = jpipe.Plan(2, 1, 2, schedule=lambda devices, m: schedules.one_f_one_b(devices, m + 1))
+    with pytest.raises(ValueError, match=r"table for 2 devices, 3 micro-batches and 1 chunks per device; "
+                                         r"the plan has pipe=2, microbatches=2"):
+        jpipe.init(model, plan, optax.sgd(0.1), make_batch(16), rng=jax.random.key(0), devices=DEVICES)
 
 
 # ---- NaN and inf ------------------------------------------------------------------------------
@@ -301,9 +355,6 @@ def test_bad_checkpoint_settings(tmp_path, kwargs, message):
         Checkpointer(tmp_path, **kwargs)
 
 
-def test_bad_coordinator_address():
-    with pytest.raises(ValueError, match=r"coordinator must be HOST:PORT"):
-        distributed.initialize("10.0.0.1", 2, 0)
 
 
 @pytest.mark.parametrize("key, value", [("targets", -1), ("tokens", 16)])
@@ -319,3 +370,124 @@ def test_the_zoo_gpt_checks_token_ids_on_the_host(key, value):
     assert int(state.step) == 0  # refused before the step: the state is intact
     state, metrics = jpipe.train_step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
+
+
+# ---- the command line ----------------------------------------------------------------------------
+# Each case: the argv (built in a fresh folder) and a fragment of the one-paragraph error, exit code 2.
+
+SMALL = ["--max-chars", "300000", "--steps", "1"]
+PLANNED = ["--pipe", "2", "--data", "4", "--microbatches", "2", *SMALL]
+
+
+def _config(text: str | bytes) -> Callable[[Path], list[str]]:
+    def write(tmp: Path) -> list[str]:
+        path = tmp / "run.toml"
+        (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+        return ["train", "--config", str(path)]
+    return write
+
+
+def _held_folder(tmp: Path) -> list[str]:
+    (tmp / "run" / "checkpoints" / "2").mkdir(parents=True)  # another run's checkpoint
+    return ["train", *PLANNED, "--out", str(tmp / "run")]
+
+
+def _locked_folder(tmp: Path) -> list[str]:
+    (tmp / "run").mkdir()
+    (tmp / "run" / ".lock").write_text(json.dumps({"pid": os.getppid(), "host": platform.node()}))
+    return ["train", *PLANNED, "--out", str(tmp / "run")]
+
+
+def _out_is_a_file(tmp: Path) -> list[str]:
+    (tmp / "afile").write_text("")
+    return ["train", *PLANNED, "--out", str(tmp / "afile")]
+
+
+def _out_under_a_file(tmp: Path) -> list[str]:
+    (tmp / "afile").write_text("")
+    return ["train", *PLANNED, "--out", str(tmp / "afile" / "run")]
+
+
+def _metrics_without_step(tmp: Path) -> list[str]:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"loss": 1.0}\n')
+    return ["report", str(tmp / "run")]
+
+
+JOIN = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
+CLI_CASES = {
+    "batch-not-divisible": (["train", "--batch-size", "6", "--pipe", "2", "--data", "2", "--microbatches", "2",
+                             *SMALL], "multiple of data x microbatches"),
+    "unknown-schedule": (["train", "--schedule", "zigzag", *SMALL], "unknown schedule 'zigzag'; choose one of"),
+    "heads-do-not-divide-width": (["train", "--d-model", "10", "--heads", "4"], "divisible"),
+    "dropout-of-one": (["train", "--dropout", "1.0"], "--dropout must be in [0, 1)"),
+    "resume-step-without-resume": (["train", "--resume-step", "2"], "--resume-step goes with --resume"),
+    "config-unknown-key": (_config("stepz = 3\n"), "unknown key 'stepz'"),
+    "config-wrong-type": (_config('steps = "many"\n'), "steps must be an integer"),
+    "config-not-toml": (_config("steps = \n"), "not valid TOML"),
+    "config-binary": (_config(bytes(range(128, 256))), "run.toml' is not valid TOML"),
+    "config-missing": (lambda tmp: ["train", "--config", str(tmp / "missing.toml")], "does not exist"),
+    "resume-no-run": (lambda tmp: ["train", "--resume", str(tmp / "nothing")], "no config.toml"),
+    "folder-of-another-run": (_held_folder, "holds another run's checkpoints (2); continue it with --resume"),
+    "folder-in-use": (_locked_folder, f"is in use by process {os.getppid()}"),
+    "out-is-a-file": (_out_is_a_file, "is a file, not a folder; give a folder"),
+    "out-under-a-file": (_out_under_a_file, "cannot be created"),
+    "report-no-folder": (lambda tmp: ["report", str(tmp / "nothing")], "does not exist"),
+    "report-line-without-step": (_metrics_without_step, 'metrics.jsonl:2 has no integer "step"'),
+    "show-negative-microbatches": (["schedule", "show", "1f1b", "--microbatches", "-3"],
+                                   "microbatches must be at least 1, got -3"),
+    "show-zero-pipe": (["schedule", "show", "1f1b", "--pipe", "0"], "pipe must be at least 1, got 0"),
+    "show-chunks-of-a-plain-schedule": (["schedule", "show", "1f1b", "--chunks", "2"],
+                                        "schedule '1f1b' takes no num_chunks (it is not interleaved"),
+    "show-unknown-schedule": (["schedule", "show", "zigzag"], "unknown schedule 'zigzag'; choose one of"),
+    "plan-zero-rounds": (["plan", "--profile-rounds", "0"], "--profile-rounds must be >= 1"),
+    "plan-negative-measure": (["plan", "--measure", "-1"], "--measure must be >= 0"),
+    "process-id-missing": (["train", "--coordinator", "127.0.0.1:1", "--num-processes", "2"],
+                           "missing --process-id"),
+    "coordinator-without-port": (["train", "--pipe", "2", "--coordinator", "127.0.0.1", "--num-processes", "2",
+                                  "--process-id", "0"], "coordinator must be HOST:PORT"),
+    "process-id-too-large": (["train", "--pipe", "2", *JOIN[:4], "--process-id", "2"],
+                             "--process-id must be from 0 to"),
+    "coordinator-and-distributed": (["train", "--pipe", "2", *JOIN, "--distributed"], "not both"),
+    "multi-process-without-a-plan": (["train", *JOIN], "give the plan explicitly"),
+    "batch-rows-over-processes": (["train", "--pipe", "3", "--data", "1", "--microbatches", "2", "--batch-size",
+                                   "6", *JOIN], "cannot be split evenly over 2 processes"),
+}
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_the_command_line_refuses_with_one_paragraph(case, tmp_path, capsys):
+    from jpipe import cli
+
+    argv, message = CLI_CASES[case]
+    argv = argv(tmp_path) if callable(argv) else argv
+    before = sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert "Traceback" not in err
+    assert sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before  # nothing on disk changed
+
+
+# ---- multi-process runs (the cases with two live processes are in test_distributed.py) -----------
+
+@pytest.mark.parametrize("args, message", [
+    (("10.0.0.1", 2, 0), "coordinator must be HOST:PORT"),
+    (("127.0.0.1:1234", 2), "also give process_id"),
+    (("127.0.0.1:1234", 2, 2), "process_id must be an int from 0 to num_processes - 1 = 1"),
+], ids=["no-port", "no-process-id", "process-id-too-large"])
+def test_initialize_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        distributed.initialize(*args)
+
+
+def test_the_coordinator_port_in_use_is_named_at_once():
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"coordinator port {port} is already in use"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
