@@ -483,6 +483,11 @@ def _join(train: argparse.ArgumentParser, args: argparse.Namespace, config, requ
         print(f"process {request['process_id']} of {request['num_processes']}: joining the run at "
               f"{request['coordinator']} (waiting up to {INIT_TIMEOUT_S} s for all "
               f"{request['num_processes']} processes)", file=sys.stderr, flush=True)
+        # JAX ends a failed join from C++ with "another task died"; its status names the cause
+        print("  if JAX then ends a process, the status it prints names the cause: 'ALREADY_EXISTS' or "
+              "'different incarnation' means two processes were started with the same --process-id; "
+              f"'DEADLINE_EXCEEDED' means not every process joined in time (one was not started, or cannot "
+              f"reach {request['coordinator']})", file=sys.stderr, flush=True)
     try:
         info = distributed.initialize(**request, initialization_timeout=INIT_TIMEOUT_S)
     except (ValueError, RuntimeError) as e:
