@@ -285,8 +285,8 @@ def best_fit(shard: str | None, devices: int, alpha: float, budget: float = GB80
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| model | params | whole state | pipe x data | layout | fullest device | ideal (/8) | "
-           "fullest / ideal | formula | temp | step | step / None [round range] |",
+    out = [("| model | params | whole state | pipe x data | layout | fullest device | ideal (/8) | "
+            "fullest / ideal | formula | temp | step | step / None [round range] |"),
            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = "1 (baseline)" if r["shard"] is None else \
@@ -301,8 +301,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def extrapolation_markdown(fits: list[dict], low: dict) -> str:
-    out = ["| devices (80 GB each) | layout | alpha | largest GPT | params | best pipe x data | "
-           "state / device | temp / device | total / device | params at the smallest alpha |",
+    out = [("| devices (80 GB each) | layout | alpha | largest GPT | params | best pipe x data | "
+            "state / device | temp / device | total / device | params at the smallest alpha |"),
            "|---:|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for f in fits:
         other = low.get((f["devices"], f["shard"]))

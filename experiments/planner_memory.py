@@ -21,11 +21,11 @@ import jax
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_planner_memory import MODELS, PLANS, _profile, _state_bytes  # noqa: E402
+from test_planner_memory import MODELS, PLANS, _profile, _state_bytes
 
-import jpipe  # noqa: E402
-from jpipe import Plan  # noqa: E402
-from jpipe.partition import evaluate  # noqa: E402
+import jpipe
+from jpipe import Plan
+from jpipe.partition import evaluate
 
 EXTRA = [
     ("mlp", 64, Plan(pipe=2, data=4, microbatches=4, schedule="1f1b", shard="optimizer", remat=True)),
@@ -42,7 +42,7 @@ def describe(name: str, plan: Plan) -> str:
              "remat" if plan.remat else "", f"V{plan.virtual_stages}" if plan.virtual_stages > 1 else "",
              "fused" if plan.fuse_ticks else ""]
     return f"{name:8} {plan.pipe}x{plan.data} M{plan.microbatches:<2} {plan.schedule:16} " \
-           f"{str(plan.shard):10} {' '.join(e for e in extra if e):12}"
+           f"{plan.shard!s:10} {' '.join(e for e in extra if e):12}"
 
 
 def main() -> None:

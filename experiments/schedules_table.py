@@ -102,7 +102,7 @@ def main() -> None:
                 continue
             try:
                 ex = executed(name, options, P, M, args.steps, args.microbatch_size)
-            except Exception as e:  # the executor may not run every table yet
+            except Exception as e:  # noqa: BLE001 -- the executor may not run every table yet
                 print(row + f" skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
                 continue
             print(row + f" {ex['temp'] / 1024:>9.0f} {ex['step_ms']:>8.1f}", flush=True)

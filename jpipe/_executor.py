@@ -57,8 +57,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jpipe._mesh import DATA, PIPE
 from jpipe import _sharding
+from jpipe._mesh import DATA, PIPE
 from jpipe._model import Params, PyTree, Staged, sample_keys
 from jpipe.schedules import BACKWARD, FIELDS, FORWARD, IDLE, WEIGHT, Table
 

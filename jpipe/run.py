@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 from jpipe import report
 
@@ -718,7 +718,7 @@ class StopRequest:
         self._log = log
         self._previous: dict = {}
 
-    def __enter__(self) -> StopRequest:
+    def __enter__(self) -> Self:
         import signal
         import threading
 

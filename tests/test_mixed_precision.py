@@ -107,7 +107,7 @@ def _floating_dtypes(tree) -> set:
 
 
 def test_bf16_gpt_trains_with_float32_parameters_and_optimizer_state():
-    config = dict(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2, framework="linen")
+    config = {"vocab_size": 32, "seq_len": 8, "d_model": 16, "num_heads": 2, "num_layers": 2, "framework": "linen"}
     model = models.gpt(**config, dtype=jnp.bfloat16)
     model_f32 = models.gpt(**config)
     rng = np.random.default_rng(0)

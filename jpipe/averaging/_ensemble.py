@@ -52,9 +52,9 @@ from jpipe._train import (
     TrainState,
     _check_batch,
     _check_params,
+    _init_pipelined,
     _new_state,
     dropout_rng,
-    _init_pipelined,
     place_params,
 )
 from jpipe.averaging._elastic import ElasticAveraging, ElasticState, _state_axes, per_replica
