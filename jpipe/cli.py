@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -56,7 +56,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_train(commands) -> argparse.ArgumentParser:
-    from jpipe.run import DTYPES, FIXED_PLAN, TrainConfig
+    from jpipe.run import FIXED_PLAN, TrainConfig
 
     d = TrainConfig  # the defaults live in one place
     train = commands.add_parser(
@@ -80,15 +80,7 @@ def _add_train(commands) -> argparse.ArgumentParser:
     add("--overwrite", action="store_true",
         help="start afresh in an --out folder that holds another run's checkpoints (deletes them)")
     add("--steps", type=int, default=d.steps, help="training steps")
-    add("--batch-size", type=int, default=d.batch_size, help="sequences per step (global batch)")
-    add("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
-    add("--layers", type=int, default=d.layers, help="transformer blocks")
-    add("--d-model", type=int, default=d.d_model, help="model width")
-    add("--heads", type=int, default=d.heads, help="attention heads")
-    add("--framework", choices=("nnx", "linen"), default=d.framework, help="Flax API of the model")
-    add("--dtype", choices=DTYPES, default=d.dtype,
-        help="compute dtype of the model (activations, matmuls, what stages send each other); parameters, "
-             "gradients and the Adam state stay float32, softmax and loss are float32 (mixed precision)")
+    _add_model_options(add)
     add("--dropout", type=float, default=d.dropout,
         help="dropout rate of the GPT's embeddings and residual branches in training steps (evaluation "
              "runs without); masks depend on --seed, the step and the sample, not on the plan")
@@ -137,6 +129,23 @@ def _add_train(commands) -> argparse.ArgumentParser:
                             "(replicas on different hosts)")
     train.set_defaults(run=_train)
     return train
+
+
+def _add_model_options(add: Callable[..., Any]) -> None:
+    """The built-in GPT and its batch: one declaration, so ``jpipe plan`` plans the model that
+    ``jpipe train`` trains (same options, same defaults: :class:`jpipe.run.TrainConfig`'s)."""
+    from jpipe.run import DTYPES
+    from jpipe.run import TrainConfig as d
+
+    add("--batch-size", type=int, default=d.batch_size, help="sequences per step (global batch)")
+    add("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
+    add("--layers", type=int, default=d.layers, help="transformer blocks")
+    add("--d-model", type=int, default=d.d_model, help="model width")
+    add("--heads", type=int, default=d.heads, help="attention heads")
+    add("--framework", choices=("nnx", "linen"), default=d.framework, help="Flax API of the model")
+    add("--dtype", choices=DTYPES, default=d.dtype,
+        help="compute dtype of the model (activations, matmuls, what stages send each other); parameters, "
+             "gradients and the Adam state stay float32, softmax and loss are float32 (mixed precision)")
 
 
 def _add_schedule(commands) -> None:
@@ -223,13 +232,7 @@ def _add_plan(commands) -> None:
     )
     add = plan.add_argument
     add("--devices", type=int, default=8, help="devices to plan for")
-    add("--batch-size", type=int, default=32, help="sequences per step (global batch)")
-    add("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
-    add("--layers", type=int, default=8, help="transformer blocks")
-    add("--d-model", type=int, default=64, help="model width")
-    add("--heads", type=int, default=4, help="attention heads")
-    add("--dtype", choices=("float32", "bfloat16"), default="float32",
-        help="compute dtype of the model (as jpipe train --dtype; parameters stay float32)")
+    _add_model_options(add)
     add("--memory-limit", type=float, default=None, metavar="MIB",
         help="MiB per device (default: what the device reports, else no limit)")
     add("--profile-rounds", type=int, default=1, metavar="N",
@@ -260,7 +263,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from jpipe import models
 
         model = models.gpt(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.heads,
-                           num_layers=args.layers, dtype=args.dtype)
+                           num_layers=args.layers, framework=args.framework, dtype=args.dtype)
         tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
         limit = None if args.memory_limit is None else args.memory_limit * 2**20
         batch = {"tokens": tokens, "targets": tokens}

@@ -294,6 +294,14 @@ def test_plan_prints_the_ranked_candidates_measuring_the_best(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_plan_and_train_describe_the_same_model():
+    parser = cli.build_parser()
+    train, plan = (cli._subparser(parser, name) for name in ("train", "plan"))
+    names = ("batch_size", "seq_len", "layers", "d_model", "heads", "framework", "dtype")
+    assert {n: plan.get_default(n) for n in names} == {n: train.get_default(n) for n in names}
+    assert train.get_default("layers") == 4  # TrainConfig's
+
+
 def test_train_without_plan_options_runs_the_planners_choice():
     import jax
     import jax.numpy as jnp

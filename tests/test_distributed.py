@@ -204,8 +204,7 @@ def dying_worker(victim: int) -> None:
 
 @pytest.mark.parametrize("victim", [
     1,
-    pytest.param(0, marks=pytest.mark.skipif(not os.environ.get("JPIPE_SLOW_TESTS"),
-                                             reason="set JPIPE_SLOW_TESTS=1: another 2-process run")),
+    pytest.param(0, marks=pytest.mark.exhaustive),  # another 2-process run
 ], ids=["worker-dies", "coordinator-dies"])
 def test_one_process_dies_the_other_exits_with_a_clear_error(victim, cache_env):
     results = distributed.launch_local(dying_worker, num_processes=2, devices_per_process=1, timeout=180,
@@ -250,8 +249,7 @@ def _metrics(run_dir: Path) -> tuple[list, list]:
 
 @pytest.mark.parametrize("across, pipe, data, explicit", [
     ("pipe", 2, 1, True),
-    pytest.param("data", 1, 2, False, marks=pytest.mark.skipif(
-        not os.environ.get("JPIPE_SLOW_TESTS"), reason="set JPIPE_SLOW_TESTS=1: another 2-process run")),
+    pytest.param("data", 1, 2, False, marks=pytest.mark.exhaustive),  # another 2-process run
 ], ids=["pipe-across-coordinator-flags", "data-across-distributed-flag"])
 def test_jpipe_train_two_processes_equals_one_process(tmp_path, cache_env, across, pipe, data, explicit):
     from jpipe import cli
