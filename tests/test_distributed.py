@@ -114,9 +114,14 @@ def test_two_processes_equal_one_process(tmp_path, reference, cache_env):
     # each process wrote only its own shards (its stage's layers, its part of pre and post) ...
     assert [o["restored_exact"] for o in out] == [True, True]  # ... and both read them back onto 2 x 2
     for item in ("params", "state"):
-        written = [sum(f.stat().st_size for f in (tmp_path / "ckpt" / str(STEPS) / item / f"ocdbt.process_{p}")
-                       .rglob("*") if f.is_file()) for p in (0, 1)]
-        assert min(written) > 0.3 * sum(written), (item, written)
+        files = {p: {str(f.relative_to(tmp_path)): f.stat().st_size for f in
+                     (tmp_path / "ckpt" / str(STEPS) / item / f"ocdbt.process_{p}").rglob("*") if f.is_file()}
+                 for p in (0, 1)}
+        written = [sum(files[p].values()) for p in (0, 1)]
+        # How orbax's OCDBT spreads the arrays between the two processes' data files varies from run to run
+        # (params: 27 % and 23 % on process 1 in two runs, balanced in others); the property is that
+        # process 1 writes its own shards rather than handing them to process 0.
+        assert min(written) > 0.15 * sum(written), (item, files)
     # the checkpoint both processes wrote reads back in this single process
     from jpipe.checkpoint import Checkpointer
 
