@@ -386,5 +386,51 @@ def test_a_process_with_another_num_processes_is_refused_by_every_process(cache_
     assert any(r.returncode == 3 for r in results)
 
 
+def _join_alone(ids: list[int], out: Path, stagger_s: float = 1.0) -> list[tuple[int, str, float]]:
+    """Starts ``jpipe train`` once per entry of ``ids`` (its --process-id) in a run of 2 processes;
+    returns each one's exit code, stderr and seconds, all bounded at 90 s."""
+    import subprocess
+
+    address = f"127.0.0.1:{distributed.free_port()}"
+    argv = [sys.executable, "-m", "jpipe", "train", "--pipe", "2", "--data", "1", "--microbatches", "2",
+            "--batch-size", "8", "--seq-len", "16", "--layers", "2", "--d-model", "16", "--heads", "2",
+            "--steps", "2", "--max-chars", "300000", "--no-progress", "--coordinator", address,
+            "--num-processes", "2"]
+    start, procs = time.perf_counter(), []
+    for i, pid in enumerate(ids):
+        if i:
+            time.sleep(stagger_s)
+        procs.append(subprocess.Popen([*argv, "--process-id", str(pid), "--out", str(out)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, 90 - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        out.append((p.returncode, err, time.perf_counter() - start))
+    return out
+
+
+HINT = "'ALREADY_EXISTS' or 'different incarnation' means two processes were started with the same --process-id"
+
+
+@pytest.mark.exhaustive  # about 50 s of waiting for a peer
+def test_a_missing_peer_ends_within_60_s_and_the_status_is_explained(tmp_path):
+    ((code, err, seconds),) = _join_alone([0], tmp_path / "run")
+    assert code != 0 and seconds < 60, (code, seconds, err[-2000:])
+    assert "waiting up to 45 s for all 2 processes" in err and HINT in err
+    assert "DEADLINE_EXCEEDED" in err, err[-2000:]
+
+
+@pytest.mark.exhaustive  # up to 50 s: the second process 1 waits for the deadline
+def test_a_duplicate_process_id_ends_within_60_s_and_the_status_is_explained(tmp_path):
+    results = _join_alone([0, 1, 1], tmp_path / "run")
+    assert all(code != 0 and seconds < 60 for code, _, seconds in results), [(c, s) for c, _, s in results]
+    said = " ".join(err for _, err, _ in results)
+    assert HINT in said and ("different incarnation" in said or "ALREADY_EXISTS" in said), said[-3000:]
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
