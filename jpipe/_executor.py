@@ -216,7 +216,8 @@ class Executor:
         bwd_perm = [((i + 1) % num_dev, i) for i in range(num_dev if ring else num_dev - 1)]
         remat = self.remat
         stochastic = model.stochastic
-        slot_layers = jnp.asarray(np.maximum(layout.slots(), 0))  # [devices, chunks, max_layers]
+        # each slot's layer index [devices, chunks, max_layers]: only stochastic layers need it (their keys)
+        slot_layers = jnp.asarray(np.maximum(layout.slots(), 0)) if stochastic else None
 
         def body(params: Params, batch: PyTree, key: jax.Array | None = None):
             if not over_data:  # whole copies for the step (temp bytes), of what is stored split
