@@ -6,14 +6,14 @@
 """
 
 from jpipe import averaging, schedules
+from jpipe._init import init
 from jpipe._mesh import make_mesh
 from jpipe._model import Staged
 from jpipe._plan import Plan
+from jpipe._state import TrainState
 from jpipe._train import (
     NonFiniteError,
-    TrainState,
     compiled_memory,
-    init,
     sequential_layers,
     step_rng,
     to_sequential,

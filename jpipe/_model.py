@@ -259,12 +259,21 @@ class Staged:
         return self.loss(self._post.apply(post_params, hidden, keys), microbatch)
 
     @property
+    def components(self) -> tuple[Component, Component, Component]:
+        """``pre``, ``layer`` and ``post`` as pure :class:`Component` s (``init``/``apply`` pairs),
+        whatever framework they were written in: what a wrapper such as
+        :func:`jpipe.averaging.ensemble` builds a new model from."""
+        return self._pre, self._layer, self._post
+
+    @property
     def stochastic(self) -> bool:
         """Whether a part draws random numbers when training (dropout): then each training step
         needs a key (``jpipe.init(..., rng=...)``). Linen parts are known after :meth:`check`."""
-        return any(s is True for s in self._stochastic_parts())
+        return any(s is True for s in self.stochastic_parts())
 
-    def _stochastic_parts(self) -> tuple:
+    def stochastic_parts(self) -> tuple:
+        """Per part (``pre``, ``layer``, ``post``): ``True`` if it draws random numbers when training,
+        ``False`` if not, ``None`` while unknown (a Linen part before :meth:`check`)."""
         known = getattr(self, "_traced_stochastic", None)
         if known is not None:
             return known

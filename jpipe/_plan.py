@@ -136,9 +136,9 @@ class Plan:
 
     def table(self) -> Table:
         """The validated schedule table for this plan's devices and micro-batches."""
-        return validate(self._generate_table())
+        return validate(self.unvalidated_table())
 
-    def _generate_table(self) -> Table:
+    def unvalidated_table(self) -> Table:
         """The table, not yet validated (the planner times thousands of registered ones)."""
         make = get_schedule(self.schedule) if isinstance(self.schedule, str) else self.schedule
         if "num_chunks" in inspect.signature(make).parameters:

@@ -58,12 +58,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe import _sharding
+from jpipe import _sharding, averaging
 from jpipe._executor import Layout
+from jpipe._init import init
 from jpipe._mesh import DATA, PIPE
 from jpipe._model import PyTree, Staged
 from jpipe._plan import Plan
-from jpipe._train import TrainState, _check_batch, _microbatch, abstract_state, init
+from jpipe._state import TrainState, abstract_state, check_batch, first_microbatch
 
 FORMAT = "jpipe-checkpoint-2"
 _PARAMS, _STATE, _META = "params", "state", "meta"  # state: optimizer state and step counters
@@ -242,8 +243,8 @@ class Checkpointer:
             fresh = init(model, plan, optimizer, example_batch, rng=jax.random.key(0), devices=devices,
                          nan_policy=nan_policy)
             return self.restore_like(fresh, step=step)
-        _check_batch(example_batch, plan, "example_batch")
-        want = _entries(jax.eval_shape(model.init_params, jax.random.key(0), _microbatch(example_batch, plan)),
+        check_batch(example_batch, plan, "example_batch")
+        want = _entries(jax.eval_shape(model.init_params, jax.random.key(0), first_microbatch(example_batch, plan)),
                         "params")
         _compare(meta["params"], want, step, self.directory, "the model",
                  "restore with the model that was saved (same layers, sizes and dtypes)")
@@ -256,16 +257,14 @@ class Checkpointer:
                                 nan_policy: str) -> TrainState:
         """A synchronous checkpoint onto co-located pipelines (AvgPipe): restored onto the synchronous
         plan with the same devices and stages, then copied into every pipeline on its own devices."""
-        from jpipe.averaging import _ensemble
-
         sync_plan = dataclasses.replace(plan, pipelines=1, averaging=None, shard="parameters",
                                         partition=plan.stage_partition(model.num_layers))
         # Any batch of the synchronous plan's shape: only its shapes are used.
-        one = _ensemble.batch_slice(example_batch, 0)
+        one = averaging.batch_slice(example_batch, 0)
         sync_batch = jax.tree.map(lambda a: jnp.concatenate([jnp.asarray(a)] * plan.data), one)
         sync = self.restore(model, sync_plan, optimizer, sync_batch, step=step, devices=devices,
                             nan_policy=nan_policy)
-        return _ensemble.from_synchronous(sync, plan, optimizer, example_batch)
+        return averaging.from_synchronous(sync, plan, optimizer, example_batch)
 
     def restore_like(self, state: TrainState, *, step: int | None = None) -> TrainState:
         """Restores into the plan, model and optimizer of an existing ``state`` (no new ``jpipe.init``).

@@ -575,13 +575,13 @@ def test_contention_cheapens_only_the_ticks_in_which_some_devices_idle():
     for plan in (Plan(1, 2, 4), Plan(1, 4, 2)):                    # data parallel: every device always computes
         assert evaluate(crowded, plan, 16).step_time == evaluate(bare, plan, 16).step_time
     one_at_a_time = Plan(2, 1, 1, schedule="gpipe")                  # M=1: never more than one device computes
-    compute = simulate(one_at_a_time._generate_table(),
+    compute = simulate(one_at_a_time.unvalidated_table(),
                        Costs(*stage_costs(bare.scaled(16), one_at_a_time.stage_partition(4)))).makespan
     saved = evaluate(bare, one_at_a_time, 16).step_time - evaluate(crowded, one_at_a_time, 16).step_time
     assert saved == pytest.approx(compute * (1 - 1 / 1.6))
     for m in (2, 4, 8):                                              # warm-up and cool-down ticks only
         plan = Plan(2, 1, m)
-        table = plan._generate_table()
+        table = plan.unvalidated_table()
         lonely = sum(1 for t in range(table.num_ticks)
                      if sum(table.action(t, d) is not None for d in range(2)) == 1)
         assert 0 < lonely < table.num_ticks
@@ -597,12 +597,12 @@ def test_step_prediction_adds_a_stash_copy_per_action_where_a_device_holds_two_m
     bare = Profile(layers=(layer,) * 4, microbatch_size=4, pre=layer, post=layer)
     copying = dataclasses.replace(bare, stash_copy=((1e4, 1e-4), (1e5, 1e-3)))
     for plan in (Plan(2, 1, 4), Plan(2, 1, 4, schedule="gpipe"), Plan(4, 1, 4)):
-        assert plan._generate_table().res_depth > 1
+        assert plan.unvalidated_table().res_depth > 1
         extra = evaluate(copying, plan, 16).step_time - evaluate(bare, plan, 16).step_time
         # every forward and backward copies one slot of the largest stage's residuals (4 / pipe layers),
         # so every tick of the lock-step grows by one copy
         slot = 4 // plan.pipe * 5e3
-        assert extra == pytest.approx(plan._generate_table().num_ticks * interpolate(copying.stash_copy, slot))
+        assert extra == pytest.approx(plan.unvalidated_table().num_ticks * interpolate(copying.stash_copy, slot))
     # one slot (data parallel, or M=1), or nothing stashed (remat): no copy
     for plan in (Plan(1, 2, 4), Plan(2, 1, 1), Plan(2, 1, 4, remat=True)):
         assert evaluate(copying, plan, 16).step_time == evaluate(bare, plan, 16).step_time

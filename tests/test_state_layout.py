@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jpipe
-from jpipe import _sharding, _train, models
+from jpipe import _sharding, _state, models
 from jpipe.checkpoint import Checkpointer
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -87,8 +87,8 @@ def test_init_builds_each_stage_on_its_own_devices(pipe, data, shard):
     """The compiled init's temp plus output bytes are at most 1.5x what a device finally holds."""
     state = gpt_state(pipe, data, shard)
     program = state.program
-    microbatch = _train._microbatch(gpt_batch(2 * data), state.plan)
-    init = jax.jit(functools.partial(_train._init_pipelined, GPT, program.layout),
+    microbatch = _state.first_microbatch(gpt_batch(2 * data), state.plan)
+    init = jax.jit(functools.partial(_state.init_pipelined, GPT, program.layout),
                    out_shardings=program.shardings[0])
     analysis = init.lower(jax.random.key(0), microbatch).compile().memory_analysis()
     fullest = max(per_device_bytes((state.params, state.opt_state)).values())

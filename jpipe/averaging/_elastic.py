@@ -79,7 +79,7 @@ def _one_replica(tree: PyTree, axes: PyTree) -> PyTree:
     return jax.tree.map(cut, tree, axes)
 
 
-def _state_axes(replica_axis: int | PyTree, state: PyTree) -> PyTree:
+def replica_axes_of_state(replica_axis: int | PyTree, state: PyTree) -> PyTree:
     """Where the replica axis goes in each leaf of a per-replica optimizer ``state`` (shape structs).
 
     A leaf that mirrors a parameter (e.g. Adam's ``mu["stages"][...]``) takes that
@@ -121,12 +121,12 @@ def per_replica(inner: optax.GradientTransformation, replica_axis: int | PyTree 
     """
     def init(params: PyTree):
         axes = _axes_tree(replica_axis, params)
-        state_axes = _state_axes(replica_axis, jax.eval_shape(inner.init, _one_replica(params, axes)))
+        state_axes = replica_axes_of_state(replica_axis, jax.eval_shape(inner.init, _one_replica(params, axes)))
         return jax.vmap(inner.init, in_axes=(axes,), out_axes=state_axes)(params)
 
     def update(updates: PyTree, state, params: PyTree | None = None):
         axes = _axes_tree(replica_axis, updates)
-        state_axes = _state_axes(replica_axis, jax.eval_shape(inner.init, _one_replica(updates, axes)))
+        state_axes = replica_axes_of_state(replica_axis, jax.eval_shape(inner.init, _one_replica(updates, axes)))
         return jax.vmap(inner.update, in_axes=(axes, state_axes, None if params is None else axes),
                         out_axes=(axes, state_axes))(updates, state, params)
 

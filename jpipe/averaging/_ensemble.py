@@ -47,17 +47,17 @@ from jpipe._executor import Layout
 from jpipe._mesh import make_mesh
 from jpipe._model import Component, Params, PyTree, Staged, unstack_layers
 from jpipe._plan import Plan
-from jpipe._train import (
-    NAN_POLICIES,
+from jpipe._state import (
     TrainState,
-    _check_batch,
-    _check_params,
-    _init_pipelined,
-    _new_state,
+    build_state,
+    check_batch,
+    check_init_arguments,
+    check_params,
     dropout_rng,
+    init_pipelined,
     place_params,
 )
-from jpipe.averaging._elastic import ElasticAveraging, ElasticState, _state_axes, per_replica
+from jpipe.averaging._elastic import ElasticAveraging, ElasticState, per_replica, replica_axes_of_state
 
 # Where the replica axis sits in the pipelined layout: pre/post are [N, ...]; stage stacks are
 # [devices, chunks, layers per chunk, N, ...].
@@ -105,7 +105,7 @@ def ensemble(model: Staged, pipelines: int) -> Staged:
     if not isinstance(pipelines, int) or isinstance(pipelines, bool) or pipelines < 1:
         raise ValueError(f"pipelines must be an int >= 1, got {pipelines!r}")
     n = pipelines
-    pre, layer, post = model._pre, model._layer, model._post  # the pure Components
+    pre, layer, post = model.components
 
     def pre_init(key: jax.Array, mb: PyTree) -> Params:
         return _replicate(pre.init(key, batch_slice(mb, 0)), n)
@@ -131,7 +131,7 @@ def ensemble(model: Staged, pipelines: int) -> Staged:
         return total - jax.lax.stop_gradient(total - total / n)
 
     def stochastic(i: int):  # as the model's part (jpipe.init checks the model first)
-        return lambda params, x: model._stochastic_parts()[i] is True
+        return lambda params, x: model.stochastic_parts()[i] is True
 
     return Staged(
         pre=Component(pre_init, pre_apply, stochastic(0)),
@@ -236,25 +236,18 @@ def init(
     >>> len(averaging.replicas(state)), sorted(averaging.centre(state))
     (2, ['layers', 'post', 'pre'])
     """
-    if not isinstance(model, Staged):
-        raise TypeError(f"model must be a jpipe.Staged, got {type(model).__name__}")
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a jpipe.Plan, got {type(plan).__name__}")
+    check_init_arguments(model, plan, rng, params, nan_policy)
     # Explicit arguments win over the plan's fields.
     pipelines = plan.pipelines if pipelines is None else pipelines
     averaging = averaging if averaging is not None else plan.averaging
     averaging = ElasticAveraging() if averaging is None else averaging
     if not isinstance(averaging, ElasticAveraging):
         raise TypeError(f"averaging must be a jpipe.averaging.ElasticAveraging, got {type(averaging).__name__}")
-    if rng is None and params is None:
-        raise ValueError("give exactly one of rng= (fresh parameters) or params= (existing ones)")
-    if nan_policy not in NAN_POLICIES:
-        raise ValueError(f"nan_policy must be one of {list(NAN_POLICIES)}, got {nan_policy!r}")
     plan = dataclasses.replace(plan, pipelines=pipelines, averaging=averaging, shard=None)
     total = pipelines * plan.data  # every pipeline of every data replica
     ens = ensemble(model, pipelines)  # what one data device runs: its N pipelines
     _check_ensemble_batch(example_batch, total, "example_batch", plan)
-    size = _check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
+    size = check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
     microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
     one = batch_slice(microbatch, 0)
     model.check(one)
@@ -265,13 +258,13 @@ def init(
     # One model, stage-local and split over the mesh (as jpipe.init builds it), then broadcast to
     # every replica by a program whose outputs are split over the replica axis: no device ever
     # holds more than its own pipelines' share.
-    single = jax.eval_shape(functools.partial(_init_pipelined, model, layout), jax.random.key(0), one)
+    single = jax.eval_shape(functools.partial(init_pipelined, model, layout), jax.random.key(0), one)
     single_shardings = _sharding.param_shardings(single, mesh, "parameters")
     if params is None:
-        single = jax.jit(functools.partial(_init_pipelined, model, layout),
+        single = jax.jit(functools.partial(init_pipelined, model, layout),
                          out_shardings=single_shardings)(rng, one)
     else:
-        _check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
+        check_params(params, jax.eval_shape(model.init_params, jax.random.key(0), one))
         single = place_params(params, layout, single_shardings)
     return _assemble(ens, plan, optimizer, averaging, single, None, mesh, layout, table, example_batch,
                      microbatch, nan_policy, dropout_rng(model, rng, params, mesh))
@@ -301,15 +294,16 @@ def _assemble(ens: Staged, plan: Plan, optimizer: optax.GradientTransformation, 
         fresh = full.init(pipelined)
         if single_opt is None:
             return fresh
-        axes = _state_axes(REPLICA_AXIS, jax.eval_shape(optimizer.init, single))
+        axes = replica_axes_of_state(REPLICA_AXIS, jax.eval_shape(optimizer.init, single))
         copies = jax.vmap(lambda _, s: s, in_axes=(0, None), out_axes=axes)(jnp.arange(total), single_opt)
         return copies, fresh[1]
 
     opt_state = jax.jit(opt_init, out_shardings=shardings)(pipelined, single_opt)
     # which parts are stochastic (as the model's), traced on what one data device runs: its N pipelines
     ens.check(jax.tree.map(lambda a: a[:, :plan.pipelines], microbatch))
-    return _new_state(ens, plan, full, table, layout, mesh, pipelined, opt_state, example_batch, microbatch,
-                      nan_policy, replicas_over_data=True, shardings=(param_shardings, shardings), rng=rng)
+    return build_state(ens, plan, full, table, layout, mesh, pipelined, opt_state, example_batch, microbatch,
+                      nan_policy, replicas_over_data=True, shardings=(param_shardings, shardings), rng=rng,
+                       sequential=centre)
 
 
 def from_synchronous(sync: TrainState, plan: Plan, optimizer: optax.GradientTransformation,
@@ -322,7 +316,7 @@ def from_synchronous(sync: TrainState, plan: Plan, optimizer: optax.GradientTran
     if sync.plan.pipelines > 1 or sync.plan.shard != "parameters":
         raise ValueError("from_synchronous takes a synchronous state with Plan.shard='parameters'")
     plan = dataclasses.replace(plan, shard=None, averaging=plan.averaging or ElasticAveraging())
-    size = _check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
+    size = check_batch(example_batch, plan, "example_batch", replicas_over_data=True)
     microbatch = jax.tree.map(lambda a: jnp.asarray(a[: size // plan.microbatches]), example_batch)
     state = _assemble(ensemble(program.model, plan.pipelines), plan, optimizer, plan.averaging, sync.params,
                       sync.opt_state, program.mesh, program.layout, plan.table(), example_batch, microbatch,

@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from jpipe._mesh import DATA, PIPE
 from jpipe._model import PyTree, Staged
 from jpipe._plan import Plan
+from jpipe._state import batch_size_of
 from jpipe._train import train_step
 from jpipe.averaging._elastic import ElasticAveraging
 from jpipe.averaging._ensemble import init as _avg_init
@@ -87,13 +88,6 @@ def _mesh_shape(mesh_or_devices: Mesh | Sequence[jax.Device]) -> tuple[int, int,
     if not devices:
         raise ValueError("tune needs a mesh or a non-empty sequence of devices")
     return len(devices), 1, devices  # a plain device list: one pipeline stage per device
-
-
-def _batch_size(batch: PyTree) -> int:
-    sizes = {np.shape(a)[0] for a in jax.tree.leaves(batch)}
-    if len(sizes) != 1:
-        raise ValueError(f"example_batch leaves disagree on the leading (batch) size: {sorted(sizes)}")
-    return sizes.pop()
 
 
 def default_candidates(pipe: int, data: int, batch_size: int) -> list[tuple[int, int]]:
@@ -173,7 +167,7 @@ def tune(
     """
     pipe, data, devices = _mesh_shape(mesh_or_devices)
     optimizer = optax.sgd(1e-3) if optimizer is None else optimizer
-    batch_size = _batch_size(example_batch)
+    batch_size = batch_size_of(example_batch)
     cands = [tuple(map(int, c)) for c in (candidates or default_candidates(pipe, data, batch_size))]
     bad = [c for c in cands if c[0] < 1 or c[1] < 1 or batch_size % c[1]]
     if bad:

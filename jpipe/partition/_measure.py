@@ -12,11 +12,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
+import optax
 
+from jpipe import distributed
+from jpipe._init import init
+from jpipe._mesh import make_mesh
 from jpipe._plan import Plan
-from jpipe.partition._profile import _max_over_processes, robust_mean
-from jpipe.partition._search import PlanChoice, _batch_size
+from jpipe._state import batch_size_of
+from jpipe._train import train_step
+from jpipe.partition._profile import max_over_processes, robust_mean
+from jpipe.partition._search import PlanChoice
 
 
 def measure_plans(model: Any, plans: Sequence[Plan], example_batch: Any, *,
@@ -43,27 +50,21 @@ def measure_plans(model: Any, plans: Sequence[Plan], example_batch: Any, *,
     >>> len(times), all(t > 0 for t in times)
     (2, True)
     """
-    import jax
-    import optax
-
-    import jpipe
-    from jpipe import distributed
-
     for name, value, least in (("steps", steps, 1), ("rounds", rounds, 1), ("warmup", warmup, 0)):
         if value < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
     devices = list(jax.devices() if devices is None else devices)
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
-    size = _batch_size(example_batch)
+    size = batch_size_of(example_batch)
     host = jax.tree.map(np.asarray, example_batch)
     runs = []
     for plan in plans:
         devs = distributed.mesh_devices(plan.pipe, plan.data, "pipe", devices)
-        mesh = jpipe.make_mesh(plan.pipe, plan.data, devs)
+        mesh = make_mesh(plan.pipe, plan.data, devs)
         rows = distributed.local_rows(mesh, size)
         batch = distributed.global_batch(mesh, jax.tree.map(lambda a, rows=rows: a[rows], host), size)
-        state = jpipe.init(model, plan, optimizer, batch, rng=jax.random.key(0), devices=devs, nan_policy="skip")
-        step = jpipe.train_step.lower(state, batch).compile()
+        state = init(model, plan, optimizer, batch, rng=jax.random.key(0), devices=devs, nan_policy="skip")
+        step = train_step.lower(state, batch).compile()
         for _ in range(warmup):
             state, metrics = step(state, batch)
         jax.block_until_ready(state)
@@ -78,7 +79,7 @@ def measure_plans(model: Any, plans: Sequence[Plan], example_batch: Any, *,
                 run["state"], metrics = run["step"](run["state"], run["batch"])
                 jax.block_until_ready((run["state"], metrics))
                 run["times"].append(time.perf_counter() - start)
-    return _max_over_processes([robust_mean(run["times"]) for run in runs])
+    return max_over_processes([robust_mean(run["times"]) for run in runs])
 
 
 def refine(choice: PlanChoice, model: Any, example_batch: Any, *, devices: Sequence[Any] | None = None,

@@ -780,8 +780,9 @@ def _step_run(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: in
     (one micro-batch): its time less its parts' is what a step costs beyond them."""
     import jax
 
+    from jpipe._init import init
     from jpipe._plan import Plan
-    from jpipe._train import init, train_step
+    from jpipe._train import train_step
 
     small = dataclasses.replace(model, num_layers=min(_STACK, model.num_layers))
     batch = jax.device_put(microbatch, device)
@@ -804,7 +805,7 @@ def _resize(tree: Any, rows: int) -> Any:
     return jax.tree.map(lambda a: np.asarray(a)[np.arange(rows) % np.shape(a)[0]], tree)
 
 
-def _max_over_processes(values: list[float]) -> list[float]:
+def max_over_processes(values: list[float]) -> list[float]:
     """Each value's maximum over the processes (all of them must call it)."""
     import jax
     import numpy as np
@@ -839,7 +840,7 @@ def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
     def times(c: LayerCost) -> list[float]:
         return [c.forward, c.backward, c.update, *(v for point in c.curve for v in point[1:])]
 
-    worst = _max_over_processes([t for c in costs for t in times(c)])
+    worst = max_over_processes([t for c in costs for t in times(c)])
     out = []
     for c in costs:
         n = 3 + 2 * len(c.curve)
@@ -955,7 +956,7 @@ def _comm_runs(devices: Sequence[Any], exchange_sizes: Sequence[float], allreduc
 def _time_comm(runs: _CommRuns, n: int, ticks: int, repeats: int, warmup: int) -> CommCost:
     times = [_mean_time(fn, repeats, warmup) / ticks for _, fn in runs.exchange] + \
             [_mean_time(fn, repeats, warmup) for _, fn in runs.allreduce]
-    times = _max_over_processes(times)  # every process plans from the same numbers
+    times = max_over_processes(times)  # every process plans from the same numbers
     exchange_points = tuple((s, t) for (s, _), t in zip(runs.exchange, times))
     allreduce_points = tuple((2.0 * s * (n - 1) / n, t) for (s, _), t in zip(runs.allreduce, times[len(runs.exchange):]))
     return CommCost(exchange_points, allreduce_points)
@@ -1057,7 +1058,7 @@ class Profiler:
         t_copies, t_comm = t_also[:len(self._copies)], t_also[len(self._copies):]
         t_allreduce, t_exchange = t_comm[:len(comm_runs.allreduce)], t_comm[len(comm_runs.allreduce):]
         # one copy of a slot: each of the loop's steps copies a slot out and back in
-        per_copy = _max_over_processes([t / (2 * _COPIES) for t in t_copies])
+        per_copy = max_over_processes([t / (2 * _COPIES) for t in t_copies])
         stash_copy = [(nbytes, t) for (nbytes, _), t in zip(self._copies, per_copy)]
         curves: list[list[tuple[float, float, float]]] = [[], [], []]
         for i, other in enumerate(self._others, 1):
@@ -1070,13 +1071,13 @@ class Profiler:
         parts = [sum(c.forward * n + c.backward * n + u * n
                      for c, u, n in zip(costs[3 * i:3 * i + 3], updates, (1, stack, 1)))
                  for i in range(len(t_steps))]
-        beyond = _max_over_processes([max(t - p, 0.0) for t, p in zip(t_steps, parts)])
+        beyond = max_over_processes([max(t - p, 0.0) for t, p in zip(t_steps, parts)])
         contention = 1.0
         if self._processes > 1:
             # the steps again, each process alone: on devices that share a machine a step can run much
             # faster when no other device computes (2 CPU processes on 2 vCPUs: 1.05-1.7x on the hosts seen)
-            together = _max_over_processes(t_steps)
-            alone = _max_over_processes(_alone_in_turns(self._steps, repeats, self.warmup))
+            together = max_over_processes(t_steps)
+            alone = max_over_processes(_alone_in_turns(self._steps, repeats, self.warmup))
             contention = max(1.0, sum(together) / sum(alone))  # never faster for others computing
         step_overhead = list(zip((self._size, *self._others), beyond))
         pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
@@ -1086,7 +1087,7 @@ class Profiler:
         if self._comm is not None:
             ticks = [max(t_with - t_without, 0.0) / _EXCHANGE_TICKS
                      for t_with, t_without in zip(t_exchange[::2], t_exchange[1::2])]
-            worst = _max_over_processes([*t_allreduce, *ticks])  # every process plans from the same numbers
+            worst = max_over_processes([*t_allreduce, *ticks])  # every process plans from the same numbers
             allreduce = [(2.0 * s * (num_devices - 1) / num_devices, t)
                          for (s, _), t in zip(comm_runs.allreduce, worst)]
             exchange = [(nbytes, t) for (nbytes, _, _), t in zip(exchange_runs, worst[len(t_allreduce):])]

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jpipe._plan import Plan
+from jpipe._state import batch_size_of
 from jpipe.partition._profile import CommCost, Profile, interpolate
 from jpipe.schedules import Costs, simulate
 
@@ -279,7 +280,7 @@ def predict_memory(profile: Profile, plan: Plan, global_batch: int) -> Memory:
     prof = profile.scaled(b)
     layers, chunks = _stage(prof, plan)
     layer = prof.layers[0]
-    table = plan._generate_table()
+    table = plan.unvalidated_table()
     n, data, shard = plan.pipe * plan.data, plan.data, plan.shard
     pre_p = 0.0 if prof.pre is None else prof.pre.param_bytes
     post_p = 0.0 if prof.post is None else prof.post.param_bytes
@@ -380,7 +381,7 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     partition = plan.stage_partition(prof.num_layers)
     layer = prof.layers[0]
     hidden_bytes = layer.activation_bytes
-    table = plan._generate_table()  # registered generators are validated by the test suite
+    table = plan.unvalidated_table()  # registered generators are validated by the test suite
     fwd, bwd = stage_costs(prof, partition)
     max_layers = max(partition)
     if table.res_depth > 1 and prof.stash_copy and not plan.remat:
@@ -478,15 +479,6 @@ def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limi
     return PlanChoice(out[0].plan, tuple(out))
 
 
-def _batch_size(batch: Any) -> int:
-    import jax
-
-    sizes = {np.shape(a)[0] for a in jax.tree.leaves(batch) if np.ndim(a)}
-    if len(sizes) != 1:
-        raise ValueError(f"example_batch needs one leading (batch) size on every leaf, got {sorted(sizes)}")
-    return int(sizes.pop())
-
-
 def _device_memory(devices: Sequence[Any]) -> float | None:
     try:
         stats = devices[0].memory_stats()
@@ -526,7 +518,7 @@ def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
     if profile_rounds < 1:
         raise ValueError(f"profile_rounds must be >= 1 (profiles averaged), got {profile_rounds}")
     devices = list(jax.devices() if devices is None else devices)
-    batch = _batch_size(example_batch)
+    batch = batch_size_of(example_batch)
     if profile is None:
         mb = max(1, batch // len(devices))
         microbatch = jax.tree.map(lambda a: a[:mb], example_batch)
