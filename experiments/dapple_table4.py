@@ -8,18 +8,20 @@ DAPPLE's configs A (2x8, NVLink + 25 Gbps), B (16x1, 25 Gbps) and C (16x1,
 10 Gbps), prints each plan beside the paper's cell, counts the cells whose
 replication pattern matches and, where a cell differs, shows from the cost model
 why: the predicted latency of the paper's plan next to ours.
+
+Both data-parallel models are shown side by side: DAPPLE's, whose all-reduce
+overlaps the last backward layer by layer (``overlap=True``, the default), and
+one that charges the whole all-reduce after it (``overlap=False``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
 
-from jpipe.partition import Cluster, dapple_plan, read_graph_profile
-from jpipe.partition._dapple import POLICIES, _costs, _Evaluator, _place, _straight_plans
+from jpipe.partition import Cluster, dapple_plan, dapple_plan_for, read_graph_profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DIR = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "reference", "dapple-profiles"))
@@ -48,35 +50,14 @@ PAPER_TEXT = {
 }
 
 
-def paper_plan_latency(profile, batch, cluster, pattern, split):
-    """Predicted latency (s) of the paper's plan under our cost model, best placement and split.
-
-    A straight plan takes the balanced split ``dapple_plan`` uses; an ``a:b``
-    plan the paper's split with the best of Fresh / Append / Scatter First.
-    """
-    c = _costs(profile)
-    ev = _Evaluator(c, batch, cluster, profile.microbatch_size, None)
-    L = profile.num_layers
+def paper_plan(profile, batch, cluster, pattern, split, overlap=True):
+    """The paper's plan under our cost model, on its best placement (a straight plan: balanced split)."""
     if pattern == "straight":
-        return min(lat for lat, _ in _straight_plans(ev, L, cluster))
+        return dapple_plan_for(profile, batch, cluster, [1] * cluster.num_devices, overlap=overlap)
     if pattern == "DP":
-        return float(ev.evaluate([(0, L, (cluster.devices_per_server,) * cluster.servers)], 1)[0][0])
-    sizes = [int(x) for x in split.split(":")]
-    reps = [int(x) for x in pattern.split(":")]
-    best = float("inf")
-    for policy in POLICIES:
-        used = (0,) * cluster.servers
-        stages, lo = [], 0
-        for n_layers, r in zip(sizes, reps):
-            alloc = _place(used, r, policy, cluster.devices_per_server)
-            if alloc is None:
-                break
-            used = tuple(u + a for u, a in zip(used, alloc))
-            stages.append((lo, lo + n_layers, alloc))
-            lo += n_layers
-        else:
-            best = min(best, float(ev.evaluate(stages, 1)[0][0]))
-    return best
+        return dapple_plan_for(profile, batch, cluster, [cluster.num_devices], overlap=overlap)
+    return dapple_plan_for(profile, batch, cluster, [int(x) for x in pattern.split(":")],
+                           [int(x) for x in split.split(":")], overlap=overlap)
 
 
 def main() -> int:
@@ -87,9 +68,10 @@ def main() -> int:
     if not os.path.isdir(args.profiles):
         print(f"no profiles at {args.profiles}; pass --profiles DIR", file=sys.stderr)
         return 2
-    matches, splits_ok, explain, deeper = 0, 0, [], []
-    print(f"{'model (batch)':<18}{'config':<8}{'paper':<26}{'jpipe dapple_plan':<34}{'ms':>7}{'speedup/DP':>11}"
-          f"{'match':>6}{'time':>7}")
+    matches, matches_no_overlap, splits_ok, explain, deeper = 0, 0, 0, [], []
+    print(f"{'':<44}{'DAPPLE overlap (default)':-^45}  {'no overlap':-^36}")
+    print(f"{'model (batch)':<16}{'cfg':<4}{'paper':<24}{'dapple_plan':<26}{'ms':>6}{'DP ms':>7}{'ok':>4}"
+          f"{'time':>6}  {'dapple_plan':<24}{'ms':>6}{'DP ms':>7}{'ok':>4}")
     for name, file, batch in MODELS:
         profile = read_graph_profile(os.path.join(args.profiles, file))
         for config in CONFIGS:
@@ -97,36 +79,38 @@ def main() -> int:
             start = time.perf_counter()
             plan = dapple_plan(profile, batch, cluster)
             elapsed = time.perf_counter() - start
+            plain = dapple_plan(profile, batch, cluster, overlap=False)
             want_pattern, want_split = PAPER[(name, config)]
             ok = plan.pattern == want_pattern
             matches += ok
+            matches_no_overlap += plain.pattern == want_pattern
             split_note = ""
             if ok and want_split is not None:
                 diff = max(abs(a - b) for a, b in zip(map(int, plan.split.split(":")),
                                                      map(int, want_split.split(":"))))
                 splits_ok += diff <= 2
-                split_note = f" (split off by {diff})"
+                split_note = f" split off by {diff}"
             elif ok:
                 splits_ok += 1
-            shown = str(plan) if len(str(plan)) <= 33 else f"{plan.pattern}, {len(plan.stages)} stages " \
-                f"({plan.comm_ratio:.2f})"
-            print(f"{name + f' ({batch})':<18}{config[-1]:<8}{PAPER_TEXT[(name, config)]:<26}{shown:<34}"
-                  f"{plan.latency * 1e3:>7.0f}{plan.speedup_over_dp:>11.2f}{'yes' if ok else 'NO':>6}"
-                  f"{elapsed:>6.2f}s{split_note}")
+            print(f"{name + f' ({batch})':<16}{config[-1]:<4}{PAPER_TEXT[(name, config)]:<24}{_short(plan):<26}"
+                  f"{plan.latency * 1e3:>6.0f}{plan.data_parallel_latency * 1e3:>7.0f}{'yes' if ok else 'NO':>4}"
+                  f"{elapsed:>5.2f}s  {_short(plain):<24}{plain.latency * 1e3:>6.0f}"
+                  f"{plain.data_parallel_latency * 1e3:>7.0f}{'yes' if plain.pattern == want_pattern else 'NO':>4}"
+                  f"{split_note}")
             if not ok:
-                theirs = paper_plan_latency(profile, batch, cluster, want_pattern, want_split)
+                theirs = paper_plan(profile, batch, cluster, want_pattern, want_split)
                 explain.append(
                     f"{name} on {config}: the cost model predicts {plan.latency * 1e3:.0f} ms per iteration "
                     f"for {plan} (M={plan.microbatches} micro-batches of {plan.microbatch_size}, pivot stage "
-                    f"{plan.pivot}) and {theirs * 1e3:.0f} ms for the paper's {PAPER_TEXT[(name, config)]} "
-                    f"({theirs / plan.latency - 1:+.0%}); data parallel {plan.data_parallel_latency * 1e3:.0f} ms.")
-                explain[-1] += " " + _why(profile, batch, cluster, plan, want_pattern)
+                    f"{plan.pivot}) and {theirs.latency * 1e3:.0f} ms for the paper's {PAPER_TEXT[(name, config)]} "
+                    f"({theirs.latency / plan.latency - 1:+.0%}); data parallel "
+                    f"{plan.data_parallel_latency * 1e3:.0f} ms. " + _why(profile, cluster, plan, theirs))
             full = dapple_plan(profile, batch, cluster, search="full")
             if full.pattern != plan.pattern:
                 deeper.append(f"{name} on {config}: {full.pattern} split {full.split}, {full.latency * 1e3:.0f} ms "
                               f"({full.latency / plan.latency - 1:+.0%} against {plan.pattern})")
-    print(f"\nreplication pattern matches: {matches} / 9; layer split within 2 where it matches: "
-          f"{splits_ok} / {matches}")
+    print(f"\nreplication pattern matches: {matches} / 9 with DAPPLE's overlap (layer split within 2 where it "
+          f"matches: {splits_ok} / {matches}); {matches_no_overlap} / 9 without overlap")
     for line in explain:
         print("  - " + line)
     if deeper:
@@ -138,19 +122,28 @@ def main() -> int:
     return 0
 
 
-def _why(profile, batch, cluster, plan, want_pattern) -> str:
-    """One line on the dominant terms: transfer vs compute per micro-batch, exposed all-reduce."""
-    c = _costs(profile)
-    if want_pattern == "straight":
-        ev = _Evaluator(c, batch, cluster, profile.microbatch_size, None)
-        _, raw = min(_straight_plans(ev, profile.num_layers, cluster), key=lambda p: p[0])
-        b = profile.microbatch_size
-        stage = max((c.f[hi] - c.f[lo] + c.b[hi] - c.b[lo]) * b for lo, hi, _, _ in raw)
-        hop = max(cluster.transfer_time(c.cut[hi - 1] * b, a, nxt[2]) for (_, hi, a, _), nxt in itertools.pairwise(raw))
-        return (f"straight runs M={batch // b} micro-batches of {b}: its slowest stage takes {stage * 1e3:.1f} ms "
-                f"(F+B) per micro-batch and each of its {cluster.num_devices - 1} hops {hop * 1e3:.1f} ms each way, "
-                f"so its bubble and transfers outweigh the all-reduce {plan.pattern} pays.")
-    return f"the paper's plan pays more in all-reduce or bubble than {plan.pattern} under this model."
+def _short(plan) -> str:
+    if plan.pattern in ("DP", "straight"):
+        return f"{plan.pattern} ({plan.comm_ratio:.2f})"
+    return f"{plan.pattern}, split {plan.split} ({plan.comm_ratio:.2f})"
+
+
+def _why(profile, cluster, plan, theirs) -> str:
+    """One line on the dominant terms of the paper's plan: compute and transfer per micro-batch."""
+    b, scale = theirs.microbatch_size, theirs.microbatch_size / profile.microbatch_size
+    parts = [layer.forward + layer.backward for layer in profile.layers]
+    parts[0] += (profile.pre.forward + profile.pre.backward) if profile.pre else 0.0
+    parts[-1] += (profile.post.forward + profile.post.backward) if profile.post else 0.0
+    stage = max(sum(parts[s.layers[0]:s.layers[1]]) for s in theirs.stages) * scale
+    per_server = cluster.devices_per_server
+    servers = [[sum(1 for d in s.devices if d // per_server == i) for i in range(cluster.servers)]
+               for s in theirs.stages]
+    hop = max(cluster.transfer_time(profile.cut_bytes[s.layers[1] - 1] * scale, a, nxt)
+              for s, a, nxt in zip(theirs.stages, servers, servers[1:]))
+    return (f"The paper's plan runs M={theirs.microbatches} micro-batches of {b}: its slowest stage takes "
+            f"{stage * 1e3:.1f} ms (F+B) per micro-batch and its slowest of {len(theirs.stages) - 1} hops "
+            f"{hop * 1e3:.1f} ms each way, so its bubble and transfers outweigh the all-reduce "
+            f"{plan.pattern} pays.")
 
 
 def planning_times() -> None:

@@ -5,7 +5,8 @@
   :func:`mean_profile` averages such profiles);
   :func:`read_graph_profile` reads DAPPLE's published PipeDream graph profiles.
 - :func:`dapple_latency` and :func:`dapple_plan` are DAPPLE's latency model and
-  planner for a general :class:`Cluster`.
+  planner for a general :class:`Cluster` (:func:`overlapped_allreduce`: its
+  data-parallel overlap; :func:`dapple_plan_for`: the cost of a given plan shape).
 - :func:`plan` (also ``jpipe.plan``) picks jpipe's mesh shape, partition,
   micro-batches and schedule from profiled costs; :func:`refine` times the
   best few predicted plans (:func:`measure_plans`) and chooses by measurement.
@@ -19,8 +20,8 @@
 """
 
 from jpipe.partition._cluster import Cluster
-from jpipe.partition._cost import Latency, dapple_latency
-from jpipe.partition._dapple import DapplePlan, Stage, dapple_plan
+from jpipe.partition._cost import Latency, dapple_latency, overlapped_allreduce
+from jpipe.partition._dapple import DapplePlan, Stage, dapple_plan, dapple_plan_for
 from jpipe.partition._measure import measure_plans, refine
 from jpipe.partition._profile import (
     CommCost,
@@ -69,6 +70,7 @@ __all__ = [
     "balanced_partition",
     "dapple_latency",
     "dapple_plan",
+    "dapple_plan_for",
     "evaluate",
     "format_candidates",
     "load",
@@ -77,6 +79,7 @@ __all__ = [
     "measure_plans",
     "memory_profile",
     "microbatch_sizes",
+    "overlapped_allreduce",
     "plan",
     "predict_memory",
     "profile",

@@ -52,13 +52,67 @@ def latency_arrays(forward: np.ndarray, backward: np.ndarray, allreduce: np.ndar
     return warmup + steady + end, warmup, steady, end, Q
 
 
+def exposed_allreduce_table(backward: np.ndarray, allreduce: np.ndarray) -> np.ndarray:
+    """``E[lo, hi]``: seconds of stage ``[lo, hi)``'s gradient all-reduce left after its last backward.
+
+    ``backward[l]`` is layer ``l``'s backward of one micro-batch and
+    ``allreduce[l]`` the all-reduce of its gradient. The last micro-batch's
+    backward runs layers ``hi-1`` down to ``lo``; layer ``l``'s gradient is ready
+    once its backward ends, and the all-reduces run one at a time on one link
+    in that order: ``end_l = max(end_{l+1}, ready_l) + allreduce[l]``.
+    ``E[lo, hi] = end_lo - (the stage's backward)``. One pass per ``lo`` fills
+    every ``hi`` at once (``O(L^2)``).
+    """
+    back = np.asarray(backward, dtype=float)
+    ar = np.asarray(allreduce, dtype=float)
+    L = len(back)
+    cum = np.concatenate([[0.0], np.cumsum(back)])
+    exposed = np.zeros((L + 1, L + 1))
+    end = np.zeros(L + 1)  # end[hi]: when the all-reduces so far of stage [l, hi) finish
+    for lo in range(L - 1, -1, -1):
+        hi = np.arange(lo + 1, L + 1)
+        ready = cum[hi] - cum[lo]
+        end[hi] = np.maximum(end[hi], ready) + ar[lo]
+        exposed[lo, hi] = end[hi] - ready
+    return exposed
+
+
+def overlapped_allreduce(backward: Sequence[float], allreduce: Sequence[float]) -> float:
+    """Seconds of a stage's gradient all-reduce that its last backward does not hide.
+
+    DAPPLE's planner (``cc_overlap.rs`` in AlibabaPAI/DAPPLE) all-reduces each
+    layer's gradient on its own, as soon as the last micro-batch's backward
+    has produced it: gradients are ready from the last layer to the first, so
+    the backward of the layers before a layer hides that layer's all-reduce,
+    and only the first layer's all-reduce (ready last) is always exposed.
+    ``backward[l]``, ``allreduce[l]`` are per layer, in forward order.
+
+    >>> overlapped_allreduce([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])   # hidden but the first layer's
+    0.5
+    >>> overlapped_allreduce([1.0, 1.0, 1.0], [3.0, 3.0, 3.0])   # link-bound: 1 s + 9 s, backward ends at 3 s
+    7.0
+
+    Where jpipe differs from that code (it reads profiled backward times, not
+    half of forward + backward; the windows are one replica's backward of its
+    share of the micro-batch; the link runs one all-reduce at a time, where
+    the code's slack sum lets a later all-reduce use an earlier idle window)
+    it follows the description in the paper.
+    """
+    if len(backward) != len(allreduce) or not len(backward):
+        raise ValueError(f"backward and allreduce need one entry per layer; got lengths {len(backward)}, "
+                         f"{len(allreduce)}")
+    return float(exposed_allreduce_table(np.asarray(backward), np.asarray(allreduce))[0, -1])
+
+
 def dapple_latency(forward: Sequence[float], backward: Sequence[float], allreduce: Sequence[float],
                    microbatches: int) -> Latency:
     """DAPPLE's iteration latency of a pipeline: warm-up, steady phase on the pivot, end phase.
 
     ``forward[s]``, ``backward[s]`` are one micro-batch's seconds on stage
     ``s`` (transfers between stages are stages of their own, with zero
-    all-reduce); ``allreduce[s]`` the gradient all-reduce of stage ``s``:
+    all-reduce); ``allreduce[s]`` the gradient all-reduce of stage ``s`` that
+    starts after its last backward (all of it, or with DAPPLE's overlap only
+    what :func:`overlapped_allreduce` leaves exposed):
 
     - ``T_w = sum_{s<=Q} F_s``, ``T_s = (M-1)(F_Q + B_Q)``,
     - ``T_e = max_s AR_s + (sum_{a=s..Q} B_a if s <= Q else -sum_{a=Q..s} B_a)``,

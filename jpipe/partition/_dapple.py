@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jpipe.partition._cluster import Cluster
-from jpipe.partition._cost import latency_arrays
+from jpipe.partition._cost import exposed_allreduce_table, latency_arrays
 from jpipe.partition._profile import Profile
 
 POLICIES = ("fresh", "append", "scatter")
@@ -140,10 +140,25 @@ class _Evaluator:
     """Latency and memory of plans whose last two stages vary over a range of split points."""
 
     def __init__(self, c: _Costs, global_batch: int, cluster: Cluster, min_samples: int,
-                 optimizer_factor: float | None):
+                 optimizer_factor: float | None, overlap: bool = True):
         self.c, self.G, self.cluster, self.min_samples = c, global_batch, cluster, min_samples
         self.optimizer_factor = optimizer_factor
+        self.overlap = overlap
         self.divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+        self._exposed: dict[tuple[float, int], np.ndarray] = {}
+
+    def allreduce(self, lo: np.ndarray | int, hi: np.ndarray | int, alloc: tuple[int, ...], per: int,
+                  overlapped: bool) -> np.ndarray:
+        """Seconds of stage ``[lo, hi)``'s all-reduce after its last backward (``per`` samples a replica);
+        ``overlapped``: only what that backward leaves exposed."""
+        seconds_per_byte = self.cluster.allreduce_time(1.0, alloc)
+        c = self.c
+        if not overlapped:
+            return seconds_per_byte * (c.w[hi] - c.w[lo])
+        key = (seconds_per_byte, per)
+        if key not in self._exposed:
+            self._exposed[key] = exposed_allreduce_table(np.diff(c.b) * per, np.diff(c.w) * seconds_per_byte)
+        return self._exposed[key][lo, hi]
 
     def microbatch(self, max_replicas: int) -> int:
         """Samples per micro-batch: the smallest divisor of the batch with ``min_samples`` per replica of the
@@ -171,7 +186,7 @@ class _Evaluator:
             F[2 * s] = (c.f[hi] - c.f[lo]) * per
             B[2 * s] = (c.b[hi] - c.b[lo]) * per
             w = c.w[hi] - c.w[lo]
-            AR[2 * s] = cl.allreduce_time(1.0, alloc) * w
+            AR[2 * s] = self.allreduce(lo, hi, alloc, per, overlapped=self.overlap and K == 1)
             opt = (c.o[hi] - c.o[lo]) if self.optimizer_factor is None else self.optimizer_factor * w
             held = min(K - s, M)
             mem = 2 * w + opt + held * (c.a[hi] - c.a[lo]) * per
@@ -189,7 +204,7 @@ SEARCHES = ("dapple", "full")
 
 def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, search: str = "dapple",
                 min_samples_per_replica: int | None = None, optimizer_factor: float | None = None,
-                beam: int = 1) -> DapplePlan:
+                beam: int = 1, overlap: bool = True) -> DapplePlan:
     """DAPPLE's planner: the fastest stages, replica counts and device placement for ``cluster``.
 
     Every plan is scored with :func:`jpipe.partition.dapple_latency`
@@ -212,6 +227,19 @@ def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, search
     split is also scored. It finds deeper hybrid plans (``4:4:4:4``) that the
     latency model prefers at times but DAPPLE never reports.
 
+    ``overlap=True`` (default) is the overlap model of DAPPLE's planner code
+    (AlibabaPAI/DAPPLE): data parallelism all-reduces each layer's gradient
+    while the last micro-batch's backward goes on through the layers before it
+    (``cc_overlap.rs``; :func:`jpipe.partition.overlapped_allreduce`), so it
+    pays only the exposed part. A pipeline stage's all-reduce starts after its
+    own last backward and overlaps only the backward still running on the
+    stages before it, the end phase of :func:`dapple_latency`
+    (``sync_pipeline.rs`` charges ``max_i (AR_i - i x slot)``; the paper
+    describes the same end phase). ``overlap=False`` charges data parallelism
+    ``M (F + B) + AR``, with no overlap. Overlapping every stage's all-reduce
+    with its own backward too (not what DAPPLE modelled) would match 7 of the 9
+    published Table 4 cells instead of 8.
+
     Plans whose stage needs more than ``cluster.device_memory`` (``2 W +
     optimizer state + K_s`` micro-batches of activations, ``K_s`` the 1F1B
     warm-up) are skipped; ``optimizer_factor`` overrides the profile's
@@ -231,7 +259,7 @@ def dapple_plan(profile: Profile, global_batch: int, cluster: Cluster, *, search
         min_samples_per_replica = profile.microbatch_size
     c = _costs(profile)
     L = profile.num_layers
-    ev = _Evaluator(c, global_batch, cluster, min_samples_per_replica, optimizer_factor)
+    ev = _Evaluator(c, global_batch, cluster, min_samples_per_replica, optimizer_factor, overlap)
     everything = tuple(cluster.devices_per_server for _ in range(cluster.servers))
     dp_latency = float(ev.evaluate([(0, L, everything)], 1)[0][0])
     candidates = [(dp_latency, [(0, L, everything, "fresh")])]
@@ -297,23 +325,73 @@ def _minmax_split(work: np.ndarray, L: int, stages: int) -> list[int]:
     return [0] + bounds[::-1]
 
 
-def _straight_plans(ev: _Evaluator, L: int, cluster: Cluster) -> list[tuple[float, list]]:
-    """One device per stage on every device, balanced split, placed Append First (and Fresh First)."""
-    N, dps = cluster.num_devices, cluster.devices_per_server
-    if N < 2 or L < N:
-        return []
-    bounds = _minmax_split(ev.c.f + ev.c.b, L, N)
-    out = []
-    for policy in ("append", "fresh"):
+def _placed_plans(ev: _Evaluator, cluster: Cluster, replicas: Sequence[int],
+                  bounds: Sequence[int]) -> list[tuple[float, list]]:
+    """Stages ``[bounds[s], bounds[s+1])`` on ``replicas[s]`` devices, once per distinct placement."""
+    out, seen = [], set()
+    for policy in POLICIES:
         used = (0,) * cluster.servers
         raw = []
-        for s in range(N):
-            alloc = _place(used, 1, policy, dps)
+        for s, k in enumerate(replicas):
+            alloc = _place(used, k, policy, cluster.devices_per_server)
+            if alloc is None:
+                break
             used = tuple(u + a for u, a in zip(used, alloc))
             raw.append((bounds[s], bounds[s + 1], alloc, policy))
-        lat = float(ev.evaluate([(lo, hi, a) for lo, hi, a, _ in raw], 1)[0][0])
-        out.append((lat, raw))
+        allocs = tuple(a for _, _, a, _ in raw)
+        if len(raw) < len(replicas) or allocs in seen:
+            continue
+        seen.add(allocs)
+        out.append((float(ev.evaluate([(lo, hi, a) for lo, hi, a, _ in raw], 1)[0][0]), raw))
     return out
+
+
+def _straight_plans(ev: _Evaluator, L: int, cluster: Cluster) -> list[tuple[float, list]]:
+    """One device per stage on every device, split to balance F+B, each placement policy."""
+    N = cluster.num_devices
+    if N < 2 or L < N:
+        return []
+    return _placed_plans(ev, cluster, [1] * N, _minmax_split(ev.c.f + ev.c.b, L, N))
+
+
+def dapple_plan_for(profile: Profile, global_batch: int, cluster: Cluster, replicas: Sequence[int],
+                    split: Sequence[int] | None = None, *, overlap: bool = True,
+                    min_samples_per_replica: int | None = None,
+                    optimizer_factor: float | None = None) -> DapplePlan:
+    """One plan shape scored as :func:`dapple_plan` scores it, on its best device placement.
+
+    ``replicas[s]`` devices run stage ``s``, whose layers are ``split[s]``
+    (default: the split that balances forward + backward). Its ``latency`` is
+    ``inf`` where a stage does not fit in ``cluster.device_memory``. Use it to
+    ask what a plan that the planner did not choose would cost.
+
+    >>> from jpipe.partition import Cluster, LayerCost, Profile
+    >>> layer = LayerCost("l", forward=0.01, backward=0.02, activation_bytes=1e6, param_bytes=4e8)
+    >>> prof = Profile(layers=(layer,) * 32, microbatch_size=4)
+    >>> plan = dapple_plan_for(prof, 64, Cluster.preset("dapple-A"), replicas=(8, 8), split=(16, 16))
+    >>> plan.pattern, plan.split, plan.latency > dapple_plan(prof, 64, Cluster.preset("dapple-A")).latency
+    ('8:8', '16:16', True)
+    """
+    L = profile.num_layers
+    if sum(replicas) != cluster.num_devices or min(replicas) < 1:
+        raise ValueError(f"replicas {tuple(replicas)} must be >= 1 each and use all {cluster.num_devices} devices")
+    if split is None:
+        bounds = _minmax_split(_costs(profile).f + _costs(profile).b, L, len(replicas))
+    else:
+        if len(split) != len(replicas) or sum(split) != L or min(split) < 1:
+            raise ValueError(f"split {tuple(split)} needs one entry >= 1 per stage of replicas "
+                             f"{tuple(replicas)}, summing to the {L} layers")
+        bounds = [0, *np.cumsum(split).tolist()]
+    if min_samples_per_replica is None:
+        min_samples_per_replica = profile.microbatch_size
+    ev = _Evaluator(_costs(profile), global_batch, cluster, min_samples_per_replica, optimizer_factor, overlap)
+    everything = tuple(cluster.devices_per_server for _ in range(cluster.servers))
+    dp_latency = float(ev.evaluate([(0, L, everything)], 1)[0][0])
+    placed = _placed_plans(ev, cluster, list(replicas), bounds)
+    if not placed:
+        raise ValueError(f"replicas {tuple(replicas)} cannot be placed on {cluster.servers} servers of "
+                         f"{cluster.devices_per_server} devices")
+    return _finish(min(placed, key=lambda c: c[0])[1], ev, cluster, dp_latency)
 
 
 def _dp_plans(ev: _Evaluator, L: int, cluster: Cluster, beam: int) -> list[tuple[float, list]]:
