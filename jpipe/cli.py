@@ -241,6 +241,9 @@ def _add_plan(commands) -> None:
         help="also time the N best predicted plans (those within 25%% of the best prediction) with "
              "train_step and choose the fastest measured (jpipe.partition.refine); 0: predict only")
     add("--top", type=int, default=20, help="candidates to print (0: all)")
+    add("--explain", action="store_true",
+        help="also print the terms of the three best predictions: compute, bubble, communication, "
+             "contention, all-reduce, optimizer, step overhead (ms) and the memory terms (MiB)")
     plan.set_defaults(run=_plan, plan_parser=plan)
 
 
@@ -281,6 +284,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                        "then by prediction" if args.measure
                                                        else "fastest that fits first") + ")")
     print(choice.table(top=args.top or None))
+    if args.explain:
+        print(choice.explain(top=3))
     p = choice.plan
     print(f"chosen: pipe {p.pipe} x data {p.data}, {p.microbatches} micro-batches, {p.schedule}, "
           f"partition {','.join(map(str, p.partition)) if p.partition else 'even'}")

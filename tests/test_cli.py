@@ -277,7 +277,7 @@ def test_examples_run(name, capsys):
 def test_plan_prints_the_ranked_candidates_measuring_the_best(capsys):
     assert cli.main(["plan", "--devices", "2", "--batch-size", "4", "--seq-len", "8", "--layers", "2",
                      "--d-model", "16", "--heads", "2", "--profile-rounds", "2", "--measure", "2",
-                     "--top", "4"]) == 0
+                     "--top", "4", "--explain"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "batch 4 on 2" in lines[0]
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
@@ -287,6 +287,11 @@ def test_plan_prints_the_ranked_candidates_measuring_the_best(capsys):
     assert all(r[7] == "-" for r in rows[len(measured):])
     pipe, data, micro = rows[0][1:4]
     assert lines[-1].startswith(f"chosen: pipe {pipe} x data {data}, {micro} micro-batches")
+    explained = lines[lines.index(next(line for line in lines if line.startswith("#1 "))):-1]
+    assert explained[0].startswith(f"#1 pipe {pipe} x data {data}, M={micro}")
+    assert len(explained) == 9 and all(term in explained[1] for term in
+                                       ("compute", "bubble", "communication", "contention", "allreduce"))
+    assert explained[2].strip().startswith("memory") and "state" in explained[2]
     for flag, value, message in (("--profile-rounds", "0", "--profile-rounds must be >= 1"),
                                  ("--measure", "-1", "--measure must be >= 0")):
         with pytest.raises(SystemExit):

@@ -654,6 +654,36 @@ def test_contention_cheapens_only_the_ticks_in_which_some_devices_idle():
     assert _contention(1.0, 4, 1) is None
 
 
+@pytest.mark.parametrize("contention", [1.0, 1.6])
+def test_step_prediction_is_the_sum_of_named_terms(contention):
+    """Each term of Candidate.time_terms is what it says, computed here from its own source."""
+    layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, update=1e-4)
+    comm = CommCost.linear(2e-4, 1e-9, 1e-3, 1e-9)
+    prof = Profile(layers=(layer,) * 6, microbatch_size=4, pre=layer, post=layer, comm=comm,
+                   step_overhead=5e-4, contention=contention)
+    plan = Plan(2, 2, 4, partition=(2, 4))
+    cand = evaluate(prof, plan, 32)
+    terms = cand.time_terms
+    assert terms.total == pytest.approx(cand.step_time, rel=1e-12)
+    scaled = prof.scaled(32 / (2 * 4))
+    fwd, bwd = stage_costs(scaled, plan.stage_partition(6))
+    table = plan.unvalidated_table()
+    assert terms.compute == pytest.approx(4 * max(f + b for f, b in zip(fwd, bwd)))
+    plain = simulate(table, Costs(fwd, bwd), mode="lockstep").makespan
+    assert terms.bubble == pytest.approx(plain - terms.compute) and terms.bubble > 0
+    assert terms.communication == pytest.approx(table.num_ticks * comm.exchange_time(scaled.layers[0].activation_bytes))
+    assert terms.optimizer == pytest.approx(4 * 1e-4 + 2 * 1e-4)   # the larger stage's 4 layers, pre, post
+    assert terms.overhead == pytest.approx(5e-4) and terms.allreduce > 0
+    if contention == 1.0:
+        assert terms.contention == 0.0
+    else:   # warm-up and cool-down ticks, where one stage of two computes, run faster than profiled
+        assert terms.contention < 0
+    choice = search(prof, 4, 32)
+    explained = choice.explain(top=2).splitlines()
+    assert len(explained) == 6 and explained[1].strip().startswith("time") and "compute" in explained[1]
+    assert f"{choice.candidates[0].step_time * 1e3:.2f} ms = compute" in explained[1]
+
+
 def test_step_prediction_adds_a_stash_copy_per_action_where_a_device_holds_two_microbatches():
     layer = LayerCost("l", 1e-3, 2e-3, 1e3, 1e4, 2e4, 5e3)      # 5 kB of residuals a layer at 4 samples
     bare = Profile(layers=(layer,) * 4, microbatch_size=4, pre=layer, post=layer)

@@ -87,10 +87,52 @@ class Memory(NamedTuple):
         return f"{mib(self.total)} MiB = state {mib(self.state)} + temp {mib(self.temp)} ({terms})"
 
 
+class StepTime(NamedTuple):
+    """Predicted seconds of one step, term by term (:func:`evaluate`); :attr:`total` is their sum.
+
+    - ``compute``: the busiest device's forwards and backwards as profiled (every micro-batch
+      through its stages, stash copies included).
+    - ``bubble``: lock-step waiting: ticks last as long as their slowest device.
+    - ``communication``: every tick's exchange of activations and cotangents with the pipe
+      neighbours.
+    - ``contention``: devices that share compute (simulated devices on one host) were profiled
+      all computing at once; ticks in which only some compute run faster, so this is <= 0.
+    - ``allreduce``: the collectives at the ends of the step (gradients reduced over ``pipe``
+      and ``data``, split weights gathered).
+    - ``optimizer``: the optimizer update of the largest stage with ``pre`` and ``post``.
+    - ``overhead``: what a step costs beyond its parts at the plan's micro-batch size.
+
+    >>> t = StepTime(compute=8e-3, bubble=2e-3, communication=1e-3, contention=-1e-3, allreduce=0.0,
+    ...              optimizer=5e-4, overhead=5e-4)
+    >>> round(t.total * 1e3, 6)
+    11.0
+    >>> print(t.explain())  # doctest: +NORMALIZE_WHITESPACE
+    11.00 ms = compute 8.00 + bubble 2.00 + communication 1.00 + contention -1.00 + allreduce 0.00
+               + optimizer 0.50 + overhead 0.50
+    """
+
+    compute: float
+    bubble: float
+    communication: float
+    contention: float
+    allreduce: float
+    optimizer: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return sum(self)
+
+    def explain(self) -> str:
+        """The terms as a sum, in milliseconds."""
+        terms = " + ".join(f"{k} {v * 1e3:.2f}" for k, v in self._asdict().items())
+        return f"{self.total * 1e3:.2f} ms = {terms}"
+
+
 class Candidate(NamedTuple):
-    """One plan with its predicted step time (s), bubble fraction and peak bytes per device (the total
-    of ``terms``, a :class:`Memory`), and its measured step time (s) once :func:`refine` has timed it
-    (else ``None``)."""
+    """One plan with its predicted step time (s; the total of ``time_terms``, a :class:`StepTime`),
+    bubble fraction and peak bytes per device (the total of ``terms``, a :class:`Memory`), and its
+    measured step time (s) once :func:`refine` has timed it (else ``None``)."""
 
     plan: Plan
     step_time: float
@@ -99,6 +141,7 @@ class Candidate(NamedTuple):
     fits: bool
     measured: float | None = None
     terms: Memory | None = None
+    time_terms: StepTime | None = None
 
 
 class PlanChoice(NamedTuple):
@@ -110,6 +153,20 @@ class PlanChoice(NamedTuple):
     def table(self, top: int | None = 20) -> str:
         """The ranked candidates as text (what ``jpipe plan`` prints)."""
         return format_candidates(self.candidates[:top] if top else self.candidates)
+
+    def explain(self, top: int = 3) -> str:
+        """Why the ``top`` candidates rank as they do: each prediction's time and memory terms
+        (what ``jpipe plan --explain`` prints)."""
+        lines = []
+        for i, c in enumerate(self.candidates[:top], 1):
+            p = c.plan
+            lines.append(f"#{i} pipe {p.pipe} x data {p.data}, M={p.microbatches}, {p.schedule}"
+                         f"{'+fused' if p.fuse_ticks else ''}:")
+            if c.time_terms is not None:
+                lines.append(f"    time   {c.time_terms.explain()}")
+            if c.terms is not None:
+                lines.append(f"    memory {c.terms.explain()}")
+        return "\n".join(lines)
 
 
 def format_candidates(candidates: Sequence[Candidate]) -> str:
@@ -373,7 +430,8 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
     actions less than the profiled cost (:func:`_contention`). The collectives at the ends of
     the step follow the plan's ``shard`` level (:func:`_reductions`). Memory is
     :func:`predict_memory`'s total: what the fullest device stores at the plan's ``shard`` level plus
-    the compiled step's temporaries (the candidate's ``terms`` break it down).
+    the compiled step's temporaries (the candidate's ``terms`` break it down); the step time is the
+    total of the candidate's ``time_terms`` (a :class:`StepTime`).
     """
     comm = profile.comm if comm is None else comm
     b = global_batch / (plan.data * plan.microbatches)
@@ -390,17 +448,28 @@ def evaluate(profile: Profile, plan: Plan, global_batch: int, comm: CommCost | N
         copy = interpolate(prof.stash_copy, max_layers * layer.residual_bytes)
         fwd, bwd = [f + copy for f in fwd], [b + copy for b in bwd]
     per_tick = comm.exchange_time(hidden_bytes) if (comm is not None and plan.pipe > 1) else 0.0
-    sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick,
-                                contention=_contention(profile.contention, plan.pipe, plan.data)), mode="lockstep")
+    factors = _contention(profile.contention, plan.pipe, plan.data)
+    sim = simulate(table, Costs(forward=fwd, backward=bwd, comm=per_tick, contention=factors), mode="lockstep")
+    communication = table.num_ticks * per_tick if table.num_devices > 1 else 0.0
+    alone = sim if factors is None else simulate(table, Costs(forward=fwd, backward=bwd), mode="lockstep")
+    ticks = alone.makespan - (communication if factors is None else 0.0)  # the ticks' actions, as profiled
+    compute = float(np.max(alone.busy))
     io = [p for p in (prof.pre, prof.post) if p is not None]
-    # the executor's ends of step: gradients reduced (or reduce-scattered), split weights gathered
-    reduce = _reductions(prof, plan, comm)
-    # then every device runs the optimizer on its stage's layers and on pre and post
-    update = max_layers * layer.update + sum(p.update for p in io)
-    step = sim.makespan + reduce + update + profile.step_overhead_at(b)
+    time_terms = StepTime(
+        compute=compute,
+        bubble=ticks - compute,
+        communication=communication,
+        contention=sim.makespan - communication - ticks,
+        # the executor's ends of step: gradients reduced (or reduce-scattered), split weights gathered
+        allreduce=_reductions(prof, plan, comm),
+        # then every device runs the optimizer on its stage's layers and on pre and post
+        optimizer=max_layers * layer.update + sum(p.update for p in io),
+        overhead=profile.step_overhead_at(b),
+    )
+    time_terms = StepTime(*map(float, time_terms))
     terms = predict_memory(profile, plan, global_batch)
     bubble = float(sim.bubble_fraction)
-    return Candidate(plan, float(step), bubble, float(terms.total), True, terms=terms)
+    return Candidate(plan, time_terms.total, bubble, float(terms.total), True, terms=terms, time_terms=time_terms)
 
 
 def microbatch_sizes(num_devices: int, global_batch: int, max_microbatches: int = 64) -> list[int]:
