@@ -355,58 +355,18 @@ def launch_local(
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be >= 1")
-    if callable(script_or_fn):
-        fn = script_or_fn
-        if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
-            raise ValueError(f"launch_local needs a module-level function, got {fn.__qualname__}")
-        command = [sys.executable, "-c", _BOOTSTRAP, inspect.getfile(fn), fn.__name__, json.dumps(list(args))]
-    else:
-        path = Path(script_or_fn)
-        if not path.is_file():
-            raise FileNotFoundError(f"no script at {path}")
-        command = [sys.executable, str(path), *map(str, args)]
-    port = free_port()
-    base = dict(os.environ)
-    flags = " ".join(f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG))
-    base["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={devices_per_process}".strip()
-    base.setdefault("JAX_PLATFORMS", "cpu")
-    base["PYTHONUNBUFFERED"] = "1"
-    root = str(Path(__file__).resolve().parent.parent)
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
-    base.update(env or {})
-    base.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(num_processes)})
+    command = _command(script_or_fn, args)
+    base = _environment(num_processes, devices_per_process, env)
 
     logs = [tempfile.TemporaryFile(mode="w+b") for _ in range(num_processes)]  # noqa: SIM115 (closed below)
     start = time.monotonic()
     procs = [subprocess.Popen(command, env={**base, ENV_PROCESS_ID: str(i)}, stdout=logs[i],
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
              for i in range(num_processes)]
-    ended: dict[int, float] = {}
-    killed: set[int] = set()
-    first_failure: float | None = None
     try:
-        while len(ended) < num_processes:
-            now = time.monotonic()
-            for i, p in enumerate(procs):
-                if i not in ended and p.poll() is not None:
-                    ended[i] = now - start
-                    if p.returncode != 0 and first_failure is None:
-                        first_failure = now
-            overdue = now - start > timeout
-            failed = first_failure is not None and now - first_failure >= grace
-            if (overdue or failed) and len(ended) < num_processes:
-                for i, p in enumerate(procs):
-                    if i not in ended:
-                        _kill(p)
-                        killed.add(i)
-                for i, p in enumerate(procs):
-                    if i not in ended:
-                        p.wait()
-                        ended[i] = time.monotonic() - start
-                break
-            time.sleep(0.05)
+        ended, killed = _wait(procs, start, timeout, grace)
     finally:
-        for i, p in enumerate(procs):
+        for p in procs:
             if p.poll() is None:
                 _kill(p)
                 p.wait()
@@ -420,6 +380,63 @@ def launch_local(
             f"--- process {r.process_id}: exit {r.returncode}{' (killed by the launcher)' if r.killed else ''} "
             f"after {r.elapsed_s:.1f}s\n{r.output[-3000:]}" for r in results))
     return results
+
+
+def _command(script_or_fn: str | os.PathLike | Callable[..., Any], args: Sequence[Any]) -> list[str]:
+    """The command line of one process of :func:`launch_local`."""
+    if callable(script_or_fn):
+        fn = script_or_fn
+        if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+            raise ValueError(f"launch_local needs a module-level function, got {fn.__qualname__}")
+        return [sys.executable, "-c", _BOOTSTRAP, inspect.getfile(fn), fn.__name__, json.dumps(list(args))]
+    path = Path(script_or_fn)
+    if not path.is_file():
+        raise FileNotFoundError(f"no script at {path}")
+    return [sys.executable, str(path), *map(str, args)]
+
+
+def _environment(num_processes: int, devices_per_process: int, env: dict[str, str] | None) -> dict[str, str]:
+    """The environment every process of :func:`launch_local` shares (each adds its process id)."""
+    base = dict(os.environ)
+    flags = " ".join(f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG))
+    base["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={devices_per_process}".strip()
+    base.setdefault("JAX_PLATFORMS", "cpu")
+    base["PYTHONUNBUFFERED"] = "1"
+    root = str(Path(__file__).resolve().parent.parent)
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
+    base.update(env or {})
+    base.update({ENV_COORDINATOR: f"127.0.0.1:{free_port()}", ENV_NUM_PROCESSES: str(num_processes)})
+    return base
+
+
+def _wait(procs: list[subprocess.Popen], start: float, timeout: float,
+          grace: float) -> tuple[dict[int, float], set[int]]:
+    """Waits for every process; kills the rest ``grace`` seconds after one fails, or all at ``timeout``.
+    Returns each process's seconds to its end and the ones killed."""
+    ended: dict[int, float] = {}
+    killed: set[int] = set()
+    first_failure: float | None = None
+    while len(ended) < len(procs):
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = now - start
+                if p.returncode != 0 and first_failure is None:
+                    first_failure = now
+        overdue = now - start > timeout
+        failed = first_failure is not None and now - first_failure >= grace
+        if (overdue or failed) and len(ended) < len(procs):
+            for i, p in enumerate(procs):
+                if i not in ended:
+                    _kill(p)
+                    killed.add(i)
+            for i, p in enumerate(procs):
+                if i not in ended:
+                    p.wait()
+                    ended[i] = time.monotonic() - start
+            break
+        time.sleep(0.05)
+    return ended, killed
 
 
 def _kill(p: subprocess.Popen) -> None:

@@ -779,3 +779,26 @@ def test_fused_repr_and_plan() -> None:
     assert jpipe.Plan(4, 2, 8).table().lanes == 1
     with pytest.raises(ValueError, match="fuse_ticks"):
         jpipe.Plan(4, 2, 8, fuse_ticks=1)
+
+
+def test_declared_traits_hold_for_their_schedules():
+    """A schedule's Traits are what the planner trusts: below min_microbatches its table is another
+    registered schedule's, so the planner skips it there."""
+    from jpipe.schedules import SCHEDULES, TRAITS, schedule_traits
+
+    assert set(TRAITS) <= set(SCHEDULES)
+    for name in SCHEDULES:
+        traits = schedule_traits(name)
+        for pipe in (2, 3, 4, 5):
+            below = range(1, traits.min_microbatches(pipe))
+            for m in below:
+                table = SCHEDULES[name](pipe, m)
+                same = [other for other in SCHEDULES if other != name and other in ("gpipe", "1f1b")
+                        and np.array_equal(table.kind, SCHEDULES[other](pipe, m).kind)
+                        and np.array_equal(table.microbatch, SCHEDULES[other](pipe, m).microbatch)]
+                assert same, (name, pipe, m)
+            if name == "1f1b-b" and pipe > 2:   # and from the minimum on it is a schedule of its own
+                m = traits.min_microbatches(pipe)
+                assert not np.array_equal(SCHEDULES[name](pipe, m).kind, SCHEDULES["1f1b"](pipe, m).kind)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedule_traits("zigzag")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -139,6 +139,36 @@ def _measure(model, plan, optimizer, batch, n, averaging, devices, repeats) -> t
     return statistics.median(times), memory
 
 
+def _first_measured(cands: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The candidates measured before any prediction: all of up to four, else the grid's corners."""
+    if len(cands) <= 4:
+        return cands
+    ns, ms = sorted({c[0] for c in cands}), sorted({c[1] for c in cands})
+    corners = [(ns[0], ms[0]), (ns[0], ms[-1]), (ns[-1], ms[0]), (ns[-1], ms[-1])]
+    return [c for c in corners if c in cands] or cands[:1]
+
+
+def _rows(cands: list[tuple[int, int]], measured: dict[tuple[int, int], tuple[float, int]],
+          features: Callable[[int, int], tuple[list[float], list[float]]], sims: dict[int, Any],
+          samples_per_pipeline: int) -> list[TuneRow]:
+    """Every candidate's row: measured where it was, else predicted by a non-negative least-squares
+    fit of the measured times and memories on ``features`` (``fits`` left ``True``)."""
+    keys = list(measured)
+    t_coef = _fit_nonneg(np.array([features(*c)[0] for c in keys]), np.array([measured[c][0] for c in keys]))
+    m_coef = _fit_nonneg(np.array([features(*c)[1] for c in keys]),
+                         np.array([measured[c][1] for c in keys], dtype=float))
+    rows = []
+    for n, m in cands:
+        if (n, m) in measured:
+            t, mem = measured[(n, m)]
+        else:
+            t = float(np.dot(features(n, m)[0], t_coef))
+            mem = round(float(np.dot(features(n, m)[1], m_coef)))
+        rows.append(TuneRow(n, m, (n, m) in measured, t, n * samples_per_pipeline / t if t > 0 else float("inf"),
+                            mem, float(sims[m].bubble_fraction), True))
+    return rows
+
+
 def tune(
     model: Staged,
     mesh_or_devices: Mesh | Sequence[jax.Device],
@@ -183,13 +213,7 @@ def tune(
         held = float(np.max(sims[m].peak_held))
         return [k, k * w, 1.0], [1.0, n, w * held]
 
-    if measure is None:
-        if len(cands) <= 4:
-            measure = cands
-        else:
-            ns, ms = sorted({c[0] for c in cands}), sorted({c[1] for c in cands})
-            corners = [(ns[0], ms[0]), (ns[0], ms[-1]), (ns[-1], ms[0]), (ns[-1], ms[-1])]
-            measure = [c for c in corners if c in cands] or cands[:1]
+    measure = _first_measured(cands) if measure is None else measure
     measured: dict[tuple[int, int], tuple[float, int]] = {}
 
     def run(c: tuple[int, int]) -> None:
@@ -203,22 +227,8 @@ def tune(
         return memory_limit is None or mem <= memory_limit
 
     while True:
-        keys = list(measured)
-        tf = np.array([features(*c)[0] for c in keys])
-        mf = np.array([features(*c)[1] for c in keys])
-        t_coef = _fit_nonneg(tf, np.array([measured[c][0] for c in keys]))
-        m_coef = _fit_nonneg(mf, np.array([measured[c][1] for c in keys], dtype=float))
-        rows = []
-        for c in cands:
-            n, m = c
-            bubble = float(sims[m].bubble_fraction)
-            if c in measured:
-                t, mem = measured[c]
-            else:
-                t = float(np.dot(features(n, m)[0], t_coef))
-                mem = round(float(np.dot(features(n, m)[1], m_coef)))
-            rows.append(TuneRow(n, m, c in measured, t, n * data * batch_size / t if t > 0 else float("inf"),
-                                mem, bubble, fits(mem)))
+        rows = [row._replace(fits=fits(row.memory))
+                for row in _rows(cands, measured, features, sims, data * batch_size)]
         fitting = [r for r in rows if r.fits]
         if not fitting:
             raise ValueError(f"no candidate fits memory_limit={memory_limit} bytes per device; the smallest "

@@ -7,6 +7,7 @@ orders and calls :func:`table_from_orders`; nothing else has to change.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from jpipe.schedules._table import Action, Table, table_from_orders
 
@@ -237,6 +238,35 @@ SCHEDULES: dict[str, Callable[[int, int], Table]] = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
 }
+
+
+class Traits(NamedTuple):
+    """What a planner needs to know of a registered schedule beyond its table.
+
+    ``min_microbatches(pipe)``: the fewest micro-batches at which the schedule's table differs
+    from another registered schedule's (policy B's warm-up ``min(2 (P - s) - 1, M)`` is 1F1B's
+    ``min(P - s, M)`` on every stage while ``M <= 2``); ``fuses``: whether fused ticks
+    (:func:`fuse_ticks`, one forward and one backward per tick) pay off with it (policy B's
+    warm-up keeps them full; 1F1B's stall them).
+    """
+
+    min_microbatches: Callable[[int], int] = lambda pipe: 1
+    fuses: bool = False
+
+
+TRAITS: dict[str, Traits] = {
+    "1f1b-b": Traits(min_microbatches=lambda pipe: 3, fuses=True),
+}
+
+
+def schedule_traits(name: str) -> Traits:
+    """A registered schedule's :class:`Traits` (the defaults for a schedule that declares none).
+
+    >>> schedule_traits("1f1b-b").min_microbatches(4), schedule_traits("1f1b").fuses
+    (3, False)
+    """
+    get_schedule(name)
+    return TRAITS.get(name, Traits())
 
 
 def get_schedule(name: str) -> Callable[[int, int], Table]:
