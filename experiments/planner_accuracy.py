@@ -42,6 +42,8 @@ local devices instead -- the same code path, unchanged.
 
     python experiments/planner_accuracy.py                 # 2 CPU processes (5-15 min here)
     python experiments/planner_accuracy.py --local         # first 2 local devices (GPUs)
+    python experiments/planner_accuracy.py --simulated --devices 8 --microbatches 1 2 4 8
+                                                           # 8 simulated CPU devices in one process
     python experiments/planner_accuracy.py --devices 1     # one device: compute only (one GPU)
     python experiments/planner_accuracy.py --json out.json # also write the rows
 
@@ -70,6 +72,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--simulated", action="store_true",
+                   help="--devices simulated CPU devices in this one process (XLA's host platform device count)")
     p.add_argument("--local", action="store_true",
                    help="use the first --devices local devices of this process (default when accelerators exist)")
     p.add_argument("--devices", type=int, default=2,
@@ -476,6 +480,11 @@ def main() -> None:
     args = parse()
     if args.devices < 1 or (args.devices > 1 and args.devices % 2):
         raise SystemExit(f"--devices {args.devices}: pass 1 or an even number")
+    if args.simulated:  # before JAX starts: its CPU client reads the flag once
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
+        worker(sys.argv[1:], local=True)
+        return
     local = args.local or args.devices == 1
     if not local:
         import jax  # a look at the backend only; the launched processes start their own runtime

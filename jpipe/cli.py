@@ -134,7 +134,7 @@ def _add_train(commands) -> argparse.ArgumentParser:
 def _add_model_options(add: Callable[..., Any]) -> None:
     """The built-in GPT and its batch: one declaration, so ``jpipe plan`` plans the model that
     ``jpipe train`` trains (same options, same defaults: :class:`jpipe.run.TrainConfig`'s)."""
-    from jpipe.run import DTYPES
+    from jpipe.run import DTYPES, SIMULATED_DEVICE_MIB
     from jpipe.run import TrainConfig as d
 
     add("--batch-size", type=int, default=d.batch_size, help="sequences per step (global batch)")
@@ -146,6 +146,10 @@ def _add_model_options(add: Callable[..., Any]) -> None:
     add("--dtype", choices=DTYPES, default=d.dtype,
         help="compute dtype of the model (activations, matmuls, what stages send each other); parameters, "
              "gradients and the Adam state stay float32, softmax and loss are float32 (mixed precision)")
+    add("--device-memory", "--memory-limit", dest="device_memory", type=float, default=d.device_memory,
+        metavar="MIB", help="memory per device the planner plans for (default: what an accelerator reports; "
+                            f"{SIMULATED_DEVICE_MIB:g} MiB for simulated CPU devices); with a plan given by "
+                            "options, a plan that does not fit is refused")
 
 
 def _add_schedule(commands) -> None:
@@ -233,8 +237,6 @@ def _add_plan(commands) -> None:
     add = plan.add_argument
     add("--devices", type=int, default=8, help="devices to plan for")
     _add_model_options(add)
-    add("--memory-limit", type=float, default=None, metavar="MIB",
-        help="MiB per device (default: what the device reports, else no limit)")
     add("--profile-rounds", type=int, default=1, metavar="N",
         help="profiles taken back to back and averaged: steadier on a shared machine, N times the profiling")
     add("--measure", type=int, default=0, metavar="N",
@@ -268,7 +270,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model = models.gpt(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.heads,
                            num_layers=args.layers, framework=args.framework, dtype=args.dtype)
         tokens = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
-        limit = None if args.memory_limit is None else args.memory_limit * 2**20
+        from jpipe.run import device_memory_budget
+
+        limit, _ = device_memory_budget(args.device_memory, devices)
         batch = {"tokens": tokens, "targets": tokens}
         choice = jpipe.plan(model, batch, devices=devices, memory_limit=limit, profile_rounds=args.profile_rounds,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))  # stdout: the table
@@ -282,7 +286,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"batch {args.batch_size} on {len(devices)} {devices[0].platform} devices "
           f"({len(choice.candidates)} candidates, " + ("the measured ones first, fastest measured first, "
                                                        "then by prediction" if args.measure
-                                                       else "fastest that fits first") + ")")
+                                                       else "the chosen first, then fastest first") + ")")
     print(choice.table(top=args.top or None))
     if args.explain:
         print(choice.explain(top=3))

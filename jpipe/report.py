@@ -183,6 +183,21 @@ def write_report(run_dir: str) -> str:
     run = load_run(run_dir)
     config, plan, summary = run["config"], run["plan"], run["summary"]
     train, heldout = read_metrics(run_dir)
+    pictures = _plot(run_dir, train, heldout, summary)
+    lines = [f"# jpipe run `{os.path.basename(os.path.abspath(run_dir))}`", ""]
+    if summary.get("command"):
+        lines += [f"Command: `{summary['command']}`", ""]
+    lines += _what_ran(config, plan, summary)
+    lines += _what_it_measured(train, heldout, plan, summary)
+    lines += _pictures_and_files(run_dir, plan, pictures)
+    path = os.path.join(run_dir, REPORT)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def _plot(run_dir: str, train: list[dict], heldout: list[dict], summary: dict) -> str:
+    """Writes ``loss.png``; returns a note for the report where it cannot (no matplotlib), else ``""``."""
     baselines = {}
     if summary.get("unigram_loss") is not None:
         baselines["unigram (character frequencies)"] = summary["unigram_loss"]
@@ -190,21 +205,14 @@ def write_report(run_dir: str) -> str:
     try:
         plot_loss(train, heldout, os.path.join(run_dir, LOSS_PNG), baselines,
                   title=f"jpipe train: {os.path.basename(os.path.abspath(run_dir))}")
-        pictures = ""
+        return ""
     except ImportError:  # matplotlib is missing: the report goes without pictures
-        pictures = "(No pictures: matplotlib is not installed; `pip install matplotlib`, then `jpipe report`.)"
+        return "(No pictures: matplotlib is not installed; `pip install matplotlib`, then `jpipe report`.)"
 
-    final_heldout = heldout[-1]["heldout_loss"] if heldout else None
-    initial_heldout = heldout[0]["heldout_loss"] if heldout else None
-    unigram = summary.get("unigram_loss")
-    last_train = train[-min(len(train), 25):] if train else []
-    timed = [r for r in train if r.get("step_s") is not None and not r.get("compiled")]
-    step_s = sorted(r["step_s"] for r in timed)[len(timed) // 2] if timed else None
-    tokens = summary.get("tokens_per_step")
 
-    lines = [f"# jpipe run `{os.path.basename(os.path.abspath(run_dir))}`", ""]
-    if summary.get("command"):
-        lines += [f"Command: `{summary['command']}`", ""]
+def _what_ran(config: dict, plan: dict, summary: dict) -> list[str]:
+    """The report's first table: model, data, training, plan, devices, versions."""
+    lines: list[str] = []
     lines += ["## What ran", "", "| | |", "|---|---|"]
     if config:
         lines.append(f"| model | GPT ({config.get('framework', 'nnx')}), {config.get('layers')} layers, d_model "
@@ -227,6 +235,20 @@ def write_report(run_dir: str) -> str:
         lines.append(f"| devices | {summary['devices']} |")
     if summary.get("versions"):
         lines.append(f"| versions | {summary['versions']} |")
+    return lines
+
+
+def _what_it_measured(train: list[dict], heldout: list[dict], plan: dict, summary: dict) -> list[str]:
+    """The report's second table: losses against the baselines, step times against the planner's
+    prediction, memory against the budget."""
+    final_heldout = heldout[-1]["heldout_loss"] if heldout else None
+    initial_heldout = heldout[0]["heldout_loss"] if heldout else None
+    unigram = summary.get("unigram_loss")
+    last_train = train[-min(len(train), 25):] if train else []
+    timed = [r for r in train if r.get("step_s") is not None and not r.get("compiled")]
+    step_s = sorted(r["step_s"] for r in timed)[len(timed) // 2] if timed else None
+    tokens = summary.get("tokens_per_step")
+    lines: list[str] = []
     lines += ["", "## What it measured", "", "| | |", "|---|---|"]
     lines.append(f"| held-out loss, final | **{_fmt(final_heldout)}** (at initialisation {_fmt(initial_heldout)}) |")
     if unigram is not None:
@@ -245,6 +267,15 @@ def write_report(run_dir: str) -> str:
     if step_s is not None:
         tps = f", {tokens / step_s:,.0f} tokens/s" if tokens else ""
         lines.append(f"| median step time | {step_s * 1000:.1f} ms{tps} |")
+    if plan.get("predicted_step_ms") is not None and step_s is not None:
+        predicted = plan["predicted_step_ms"]
+        lines.append(f"| planner's predicted step time | {predicted:.1f} ms "
+                     f"({predicted / (step_s * 1e3) - 1:+.0%} against the median) |")
+    if plan.get("device_memory_mib") is not None:
+        fit = (f"; {plan['candidates_fitting']} of {plan['candidates']} candidate plans fit"
+               if plan.get("candidates") else "")
+        lines.append(f"| memory per device | budget {plan['device_memory_mib']:g} MiB ({plan.get('budget_from')}); "
+                     f"the plan needs {plan.get('predicted_memory_mib', float('nan')):.1f} MiB (predicted){fit} |")
     if summary.get("first_step_s") is not None:
         lines.append(f"| first step (includes compilation) | {summary['first_step_s']:.1f} s |")
     if summary.get("wall_s") is not None:
@@ -258,7 +289,12 @@ def write_report(run_dir: str) -> str:
         mem = summary["memory"]
         lines.append(f"| per-device memory of the compiled step | temp {mem.get('temp', 0) / 2**20:.1f} MiB, "
                      f"arguments {mem.get('argument', 0) / 2**20:.1f} MiB |")
-    lines += [""]
+    return lines
+
+
+def _pictures_and_files(run_dir: str, plan: dict, pictures: str) -> list[str]:
+    """The loss curves, the schedule, the planner's ranked candidates and the run folder's files."""
+    lines = [""]
     if pictures:
         lines += [pictures, ""]
     if os.path.exists(os.path.join(run_dir, LOSS_PNG)):
@@ -275,7 +311,4 @@ def write_report(run_dir: str) -> str:
               f"(one JSON object per step and per evaluation), `{SUMMARY}`, `checkpoints/` (orbax; "
               f"`jpipe train --out RUN_DIR --resume` continues), "
               f"`{LOSS_PNG}`, `{SCHEDULE_PNG}`. Re-render this report with `jpipe report RUN_DIR`."), ""]
-    path = os.path.join(run_dir, REPORT)
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    return path
+    return lines

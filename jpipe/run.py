@@ -27,12 +27,12 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 from jpipe import report
 
-__all__ = ["FIXED_PLAN", "TrainConfig", "choose_plan", "dump_config", "latest_run", "load_config", "mesh_shape",
-           "train"]
+__all__ = ["FIXED_PLAN", "SIMULATED_DEVICE_MIB", "Chosen", "TrainConfig", "choose_plan", "device_memory_budget",
+           "dump_config", "latest_run", "load_config", "mesh_shape", "train"]
 
 FIXED_PLAN = {"pipe": 4, "data": 2, "microbatches": 4, "schedule": "1f1b"}
 PLAN_KEYS = ("pipe", "data", "microbatches", "schedule")
@@ -51,14 +51,17 @@ class TrainConfig:
     """
 
     steps: int = 300
-    batch_size: int = 32
-    seq_len: int = 64
-    layers: int = 4
-    d_model: int = 64
+    # The default GPT: 1.66 M parameters, 19 MiB of training state with Adam; data parallel it needs about
+    # 30 MiB per device, more than SIMULATED_DEVICE_MIB, so on simulated devices the planner pipelines it.
+    batch_size: int = 16
+    seq_len: int = 32
+    layers: int = 8
+    d_model: int = 128
     heads: int = 4
     framework: str = "nnx"
     dtype: str = "float32"  # the GPT's compute dtype; parameters and optimizer state are float32 either way
     dropout: float = 0.0  # the GPT's dropout rate in training steps (evaluation runs without)
+    device_memory: float | None = None  # MiB per device the planner plans for (None: see device_memory_budget)
     pipe: int | None = None
     data: int | None = None
     microbatches: int | None = None
@@ -108,6 +111,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0 (0: never), got {value!r}")
+        if self.device_memory is not None and not (isinstance(self.device_memory, (int, float))
+                                                   and self.device_memory > 0):
+            raise ValueError(f"--device-memory must be > 0 (MiB per device), got {self.device_memory!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ValueError(f"--lr must be > 0, got {self.lr!r}")
         if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
@@ -241,34 +247,105 @@ def _shared_run_dir() -> str:
     return bytes(buf[buf != 0]).decode()
 
 
-def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence,
-                log: Callable[..., None] = print) -> tuple[Any, str, str | None]:
-    """The plan to run, where it came from (``"options"`` or ``"planner"``) and, from
-    the planner, its ranked candidates as text.
+# Memory per simulated CPU device that jpipe train and jpipe plan plan for unless --device-memory
+# says otherwise (a CPU device has no memory of its own to report): the default GPT's training does
+# not fit in it data parallel, and fits as a pipeline.
+SIMULATED_DEVICE_MIB = 16.0
 
-    Options override (what they leave out from :data:`FIXED_PLAN`); with none, ``jpipe.plan`` decides,
-    and ``log`` gets its progress (what it profiles, how many candidates it ranked).
+
+def device_memory_budget(device_memory: float | None, devices: Sequence) -> tuple[float | None, str]:
+    """Bytes per device the planner may use, and where the number comes from: ``device_memory``
+    (MiB, ``--device-memory``) when given; else :data:`SIMULATED_DEVICE_MIB` on CPU devices; else what
+    the accelerator reports (``None`` where it reports nothing).
 
     >>> import jax
-    >>> plan, source, _ = choose_plan(TrainConfig(pipe=2, data=1), None, None, jax.devices())
+    >>> device_memory_budget(None, jax.devices())
+    (16777216.0, 'the default for simulated CPU devices')
+    >>> device_memory_budget(64, jax.devices())[0] / 2**20
+    64.0
+    """
+    if device_memory is not None:
+        return float(device_memory) * 2**20, "--device-memory"
+    if devices[0].platform == "cpu":
+        return SIMULATED_DEVICE_MIB * 2**20, "the default for simulated CPU devices"
+    from jpipe import partition
+
+    limit = partition.device_memory(devices)
+    return limit, ("the device's own" if limit is not None else "none: the device reports no limit")
+
+
+class Chosen(NamedTuple):
+    """What :func:`choose_plan` returns: the plan, where it came from (``"options"`` or
+    ``"planner"``), the planner's ranked candidates as text, and what plan.json records of the
+    choice (the memory budget, the predicted step time and memory of the plan)."""
+
+    plan: Any
+    source: str
+    candidates: str | None
+    record: dict[str, Any]
+
+
+def choose_plan(config: TrainConfig, model, example_batch, devices: Sequence,
+                log: Callable[..., None] = print) -> Chosen:
+    """The plan to run: from the options (what they leave out from :data:`FIXED_PLAN`), or, with
+    none, the fastest plan ``jpipe.plan`` finds that fits :func:`device_memory_budget`; ``log`` gets
+    the planner's progress (what it profiles, how many candidates it ranked).
+
+    >>> import jax
+    >>> plan, source, _, _ = choose_plan(TrainConfig(pipe=2, data=1), None, None, jax.devices())
     >>> (plan.pipe, plan.data, plan.microbatches, plan.schedule), source
     ((2, 1, 4, '1f1b'), 'options')
     """
     import jpipe
 
     if not config.plan_given:
+        budget, budget_from = device_memory_budget(config.device_memory, devices)
         log(f"planning: no plan options (--pipe, --data, --microbatches, --schedule), so the planner profiles "
-            f"the model and picks the fastest plan for {len(devices)} devices", flush=True)
-        choice = jpipe.plan(model, example_batch, devices=list(devices),
+            f"the model and picks the fastest plan for {len(devices)} devices that fits "
+            + (f"{budget / 2**20:g} MiB per device ({budget_from})" if budget else "them"), flush=True)
+        choice = jpipe.plan(model, example_batch, devices=list(devices), memory_limit=budget,
                             progress=lambda line: log(line, flush=True))
         chosen = dataclasses.replace(choice.plan, remat=choice.plan.remat or config.remat,
                                      fuse_ticks=choice.plan.fuse_ticks or config.fuse_ticks)
-        return chosen, "planner", choice.table(10)
+        best = choice.candidates[0]
+        record = {"device_memory_mib": None if budget is None else budget / 2**20, "budget_from": budget_from,
+                  "predicted_step_ms": best.step_time * 1e3, "predicted_memory_mib": best.memory / 2**20,
+                  "candidates_fitting": sum(c.fits for c in choice.candidates),
+                  "candidates": len(choice.candidates)}
+        return Chosen(chosen, "planner", choice.table(10), record)
     pipe, data = config.given_mesh
     plan = jpipe.Plan(pipe=pipe, data=data, microbatches=config.microbatches or FIXED_PLAN["microbatches"],
                       schedule=config.schedule or FIXED_PLAN["schedule"], remat=config.remat,
                       virtual_stages=config.virtual_stages, fuse_ticks=config.fuse_ticks)
-    return plan, "options", None
+    if config.device_memory is None:
+        return Chosen(plan, "options", None, {})
+    return Chosen(plan, "options", None, _check_fits(plan, config, model, example_batch))
+
+
+def _check_fits(plan, config: TrainConfig, model, example_batch) -> dict[str, Any]:
+    """The predicted memory of an explicit ``plan`` against ``--device-memory`` (from shapes alone);
+    refuses a plan that does not fit, naming the smallest plan that would."""
+    import jax
+
+    from jpipe import partition
+
+    batch = config.batch_size
+    microbatch = jax.tree.map(lambda a: a[: max(1, batch // plan.num_devices)], example_batch)
+    sizes = partition.memory_profile(model, microbatch)
+    need = partition.evaluate(sizes, plan, batch).memory
+    budget = config.device_memory * 2**20
+    if need > budget:
+        fitting = [c for c in partition.search(sizes, plan.num_devices, batch).candidates if c.memory <= budget]
+        hint = "no plan of these devices fits it; use more devices or a smaller model or batch"
+        if fitting:
+            p = min(fitting, key=lambda c: c.memory).plan
+            hint = (f"the smallest plan that fits is --pipe {p.pipe} --data {p.data} --microbatches "
+                    f"{p.microbatches} --schedule {p.schedule}, or raise --device-memory")
+        raise ValueError(f"pipe {plan.pipe} x data {plan.data} with {plan.microbatches} micro-batches needs "
+                         f"{need / 2**20:.1f} MiB per device, more than --device-memory {config.device_memory:g} "
+                         f"MiB; {hint}")
+    return {"device_memory_mib": float(config.device_memory), "budget_from": "--device-memory",
+            "predicted_memory_mib": need / 2**20}
 
 
 def _plan_record(plan, source: str, num_layers: int) -> dict[str, Any]:
@@ -291,6 +368,11 @@ def _plan_record(plan, source: str, num_layers: int) -> dict[str, Any]:
         "peak_held_microbatches": sim.peak_held.tolist(),
         "gantt": schedules.ascii_gantt(table) if table.num_ticks <= 60 else None,
     }
+
+
+# what plan.json records of the planner's choice (kept when a run resumes on its saved plan)
+_CHOICE_KEYS = ("device_memory_mib", "budget_from", "predicted_step_ms", "predicted_memory_mib",
+                "candidates_fitting", "candidates")
 
 
 def _skip(it: Iterator, n: int) -> Iterator:
@@ -491,8 +573,9 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
                           remat=config.remat or rec["remat"], virtual_stages=rec.get("virtual_stages", 1),
                           fuse_ticks=rec.get("fuse_ticks", False))
         source, candidates = rec["source"], rec.get("planner_candidates")
+        choice_record = {k: rec[k] for k in _CHOICE_KEYS if k in rec}
     else:
-        plan, source, candidates = choose_plan(config, model, example, available, log)
+        plan, source, candidates, choice_record = choose_plan(config, model, example, available, log)
     if plan.num_devices > len(available):
         raise ValueError(f"the plan needs pipe x data = {plan.num_devices} devices but {len(available)} are "
                          f"available; lower --pipe/--data")
@@ -506,6 +589,7 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
     run_devices = available[: plan.num_devices]
     plan_record = _plan_record(plan, source, config.layers)
     plan_record["planner_candidates"] = candidates
+    plan_record.update(choice_record)
 
     if main_process:
         dump_config(config, os.path.join(out, report.CONFIG))
@@ -618,6 +702,7 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
     first_step_s = None
     window: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
     recent: list[float] = []  # step times for the bar's tokens/s
+    step_times: list[float] = []  # every step's seconds but the first (compiling)
     train_start = time.perf_counter()
     last_heldout = None
     stopped_at = None  # the step an interrupt stopped the run at
@@ -636,6 +721,7 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
             else:
                 window.append((loss, seconds))
                 recent = (recent + [seconds])[-20:]
+                step_times.append(seconds)
             record({"step": step, "loss": loss, "step_s": seconds,
                     "tokens_per_s": tokens_per_step / seconds, "elapsed_s": time.perf_counter() - train_start,
                     **({"compiled": True} if compiled else {})})
@@ -683,6 +769,7 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
         "unigram_entropy": corpus.unigram_entropy(),
         "final_heldout_loss": last_heldout,
         "first_step_s": first_step_s,
+        "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
         "train_s": time.perf_counter() - train_start,
         "devices": f"{len(run_devices)} x {run_devices[0].platform} ({run_devices[0].device_kind})",
         "versions": f"jpipe {jpipe.__version__}, jax {jax.__version__}, Python {platform.python_version()}",
@@ -693,6 +780,11 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
             json.dump(summary, f, indent=2)
         report.write_report(out)
     summary["artifacts"] = sorted(os.listdir(out))
+    predicted = plan_record.get("predicted_step_ms")
+    if predicted is not None and summary["median_step_s"] is not None:
+        measured = summary["median_step_s"] * 1e3
+        log(f"step time: the planner predicted {predicted:.1f} ms, the median step took {measured:.1f} ms "
+            f"({predicted / measured - 1:+.0%})")
     if last_heldout is not None:
         verdict = "below" if last_heldout < unigram else "NOT below"
         log(f"held-out loss {last_heldout:.4f}, {verdict} the unigram baseline {unigram:.4f}; "

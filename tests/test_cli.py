@@ -7,6 +7,7 @@ dominates; the runs share a module-scoped folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -304,7 +305,7 @@ def test_plan_and_train_describe_the_same_model():
     train, plan = (cli._subparser(parser, name) for name in ("train", "plan"))
     names = ("batch_size", "seq_len", "layers", "d_model", "heads", "framework", "dtype")
     assert {n: plan.get_default(n) for n in names} == {n: train.get_default(n) for n in names}
-    assert train.get_default("layers") == 4  # TrainConfig's
+    assert train.get_default("layers") == 8  # TrainConfig's
 
 
 def test_train_without_plan_options_runs_the_planners_choice():
@@ -316,13 +317,53 @@ def test_train_without_plan_options_runs_the_planners_choice():
 
     model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=4)
     batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
-    plan, source, table = choose_plan(TrainConfig(remat=True), model, batch, jax.devices()[:2])
+    plan, source, table, record = choose_plan(TrainConfig(remat=True), model, batch, jax.devices()[:2])
     assert source == "planner" and plan.remat  # the option --remat survives the planner's plan
     assert plan.pipe * plan.data == 2
+    assert record["budget_from"] == "the default for simulated CPU devices" and record["device_memory_mib"] == 16
+    assert record["predicted_step_ms"] > 0 and 0 < record["predicted_memory_mib"] <= 16
     best = next(line.split() for line in table.splitlines() if line.strip()[:1].isdigit())
     assert best[1:5] == [str(plan.pipe), str(plan.data), str(plan.microbatches), plan.schedule]
-    plan, source, table = choose_plan(TrainConfig(pipe=2), model, batch, jax.devices())
+    plan, source, table, _ = choose_plan(TrainConfig(pipe=2), model, batch, jax.devices())
     assert (source, table, plan.pipe, plan.data) == ("options", None, 2, 4)  # the rest from FIXED_PLAN
+
+
+def test_the_default_model_is_pipelined_under_the_default_memory_budget():
+    """Issue 31: under SIMULATED_DEVICE_MIB per device no plan of the default GPT with pipe 1 fits (from
+    shapes alone, as the planner predicts memory), so whatever the planner picks by time pipelines."""
+    import jax.numpy as jnp
+
+    from jpipe import models, partition
+    from jpipe.run import SIMULATED_DEVICE_MIB, TrainConfig
+
+    d = TrainConfig()
+    model = models.gpt(256, d.seq_len, d_model=d.d_model, num_heads=d.heads, num_layers=d.layers)
+    tokens = jnp.zeros((d.batch_size // 8, d.seq_len), jnp.int32)
+    sizes = partition.memory_profile(model, {"tokens": tokens, "targets": tokens})
+    choice = partition.search(sizes, 8, d.batch_size, memory_limit=SIMULATED_DEVICE_MIB * 2**20)
+    fitting = [c for c in choice.candidates if c.fits]
+    assert fitting and all(c.plan.pipe >= 2 for c in fitting)
+    data_parallel = min(c.memory for c in choice.candidates if c.plan.pipe == 1)
+    assert data_parallel > 1.5 * SIMULATED_DEVICE_MIB * 2**20   # not a near miss of the memory model
+
+
+def test_an_explicit_plan_that_does_not_fit_the_device_memory_is_refused():
+    import jax
+    import jax.numpy as jnp
+
+    from jpipe import models
+    from jpipe.run import TrainConfig, choose_plan
+
+    model = models.gpt(256, 16, d_model=32, num_heads=2, num_layers=4)
+    tokens = jnp.zeros((16, 16), jnp.int32)
+    batch = {"tokens": tokens, "targets": tokens}
+    config = TrainConfig(pipe=1, data=8, microbatches=1, batch_size=16, seq_len=16, d_model=32, heads=2, layers=4)
+    with pytest.raises(ValueError, match=r"needs .* MiB per device, more than --device-memory 0.05 MiB; "
+                                         r"(the smallest plan that fits is --pipe \d|no plan of these devices)"):
+        choose_plan(dataclasses.replace(config, device_memory=0.05), model, batch, jax.devices())
+    plan, source, _, record = choose_plan(dataclasses.replace(config, device_memory=1024.0), model, batch,
+                                          jax.devices())
+    assert (plan.pipe, plan.data, source) == (1, 8, "options") and 0 < record["predicted_memory_mib"] < 1024
 
 
 def test_dtype_option_sets_the_gpts_compute_dtype(tmp_path, monkeypatch, capsys):

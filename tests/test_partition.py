@@ -329,7 +329,7 @@ def test_search_ranks_candidates_and_respects_memory():
     dp_memory = next(c.memory for c in choice.candidates if c.plan.pipe == 1)
     limited = search(prof, num_devices=8, global_batch=32, memory_limit=dp_memory * 0.7)
     assert limited.plan.pipe > 1 and limited.candidates[0].memory <= dp_memory * 0.7
-    with pytest.raises(ValueError, match="raise memory_limit"):
+    with pytest.raises(ValueError, match="no plan fits in 0.0 MiB per device: the smallest, pipe .* needs"):
         search(prof, num_devices=8, global_batch=32, memory_limit=1.0)
 
 
@@ -534,6 +534,54 @@ def test_profiler_measures_again_without_compiling():
     assert [c[0] for c in again.layers[0].curve] == [c[0] for c in first.layers[0].curve] == [0.25, 0.5]
     assert [x for x, _ in again.comm.exchange] == [x for x, _ in first.comm.exchange]
     assert again.layers[0].forward > 0 and again.comm.allreduce[0][1] > 0
+
+
+def test_devices_of_one_process_scale_every_time_by_how_much_they_slow_each_other(monkeypatch):
+    """Simulated devices share the host's cores: the stack timed on all of them at once took 3x its time
+    on one alone (faked here), so every time is the all-computing one and contention is 3."""
+    import jax
+    import jax.numpy as jnp
+
+    import jpipe.models
+    from jpipe.partition import Profiler, _profile
+
+    model = jpipe.models.mlp(in_dim=4, hidden=16, out_dim=1, num_layers=2)
+    mb = {"x": jnp.ones((4, 4)), "y": jnp.zeros((4, 1))}
+    real = _profile._timed
+    profilers = []
+
+    def fake(parts, repeats, warmup, also=()):
+        costs, times = real(parts, 1, 0, also=also)
+        sharing = profilers[-1]._sharing
+        if sharing is not None:
+            assert also[:2] == list(sharing)                 # timed in turns with the parts
+            times = [3e-3, 1e-3, *times[2:]]                  # every device computing, one alone
+        return [c._replace(forward=1e-3, backward=2e-3) for c in costs], times
+
+    monkeypatch.setattr(_profile, "_timed", fake)
+    measured = []
+    for devices in (jax.devices()[:4], jax.devices()[:1]):
+        profilers.append(Profiler(model, mb, devices=devices, comm=False, microbatch_sizes=[4], warmup=0))
+        measured.append(profilers[-1].measure(repeats=1))
+    shared, alone = measured
+    assert shared.contention == pytest.approx(3.0) and alone.contention == 1.0
+    for part in ("pre", "post"):
+        assert getattr(shared, part).forward == pytest.approx(3e-3)
+        assert getattr(alone, part).forward == pytest.approx(1e-3)
+    assert shared.layers[0].backward == pytest.approx(6e-3) and alone.layers[0].backward == pytest.approx(2e-3)
+
+
+def test_predictions_within_the_tie_go_to_the_least_memory_then_the_fewest_microbatches():
+    from jpipe.partition._search import TIE
+
+    for prof in (_toy_profile(), _toy_profile(post_factor=3.0)):
+        choice = search(prof, num_devices=8, global_batch=32)
+        first, rest = choice.candidates[0], choice.candidates[1:]
+        fastest = min(c.step_time for c in choice.candidates if c.fits)
+        close = [c for c in choice.candidates if c.fits and c.step_time <= fastest * (1 + TIE)]
+        assert first.plan == choice.plan
+        assert (first.memory, first.plan.microbatches) == min((c.memory, c.plan.microbatches) for c in close)
+        assert [c.step_time for c in rest] == sorted(c.step_time for c in rest)
 
 
 def test_mean_profile_averages_every_time_and_keeps_every_size():

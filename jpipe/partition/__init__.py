@@ -40,11 +40,13 @@ from jpipe.partition._profile import (
     robust_mean,
 )
 from jpipe.partition._search import (
+    TIE,
     Candidate,
     Memory,
     PlanChoice,
     StepTime,
     balanced_partition,
+    device_memory,
     evaluate,
     format_candidates,
     microbatch_sizes,
@@ -56,6 +58,7 @@ from jpipe.partition._search import (
 )
 
 __all__ = [
+    "TIE",
     "Candidate",
     "Cluster",
     "CommCost",
@@ -73,6 +76,7 @@ __all__ = [
     "dapple_latency",
     "dapple_plan",
     "dapple_plan_for",
+    "device_memory",
     "evaluate",
     "format_candidates",
     "load",

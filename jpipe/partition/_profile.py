@@ -159,9 +159,10 @@ class Profile:
     known only at run time, so a forward copies its residuals into their slot and a
     backward copies them out, once a stage holds more than one micro-batch).
     ``contention`` is how many times slower the devices computed with every device of the cluster
-    computing at once (as the profile's times were taken) than with one computing alone: 1 where
+    computing at once (as the profile's times are given) than with one computing alone: 1 where
     devices share nothing (accelerators); above 1 where they share cores, memory or a bus (CPU
-    processes on one machine), so that a tick in which fewer devices compute runs faster.
+    processes on one machine, simulated CPU devices in one process), so that a tick in which fewer
+    devices compute runs faster.
 
     >>> p = Profile(layers=(LayerCost("l0", 1e-3, 2e-3, 1024, 4096),) * 4, microbatch_size=2)
     >>> p.num_layers, p.scaled(4).layers[0].forward
@@ -834,6 +835,17 @@ def _alone_in_turns(fns: Sequence[Callable[[], Any]], repeats: int, warmup: int)
     return mine
 
 
+def _times_scaled(cost: LayerCost, factor: float) -> LayerCost:
+    """``cost`` with every time (forward, backward, optimizer update, the curve's) ``factor`` times longer.
+
+    >>> c = _times_scaled(LayerCost("l", 1.0, 2.0, 0, 0, update=0.5, curve=((2.0, 3.0, 4.0),)), 2.0)
+    >>> c.forward, c.backward, c.update, c.curve
+    (2.0, 4.0, 1.0, ((2.0, 6.0, 8.0),))
+    """
+    return cost._replace(forward=cost.forward * factor, backward=cost.backward * factor, update=cost.update * factor,
+                         curve=tuple((r, f * factor, b * factor) for r, f, b in cost.curve))
+
+
 def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
     """Under ``jax.distributed``, every time is the slowest process's (the lock-step pipeline and the
     all-reduces wait for it), and every process gets the same profile. Every process must call it."""
@@ -851,6 +863,37 @@ def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
 
 
 _EXCHANGE_TICKS = 8
+
+
+def _sharing_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int) -> tuple[Callable, Callable]:
+    """Runs of the timed stack's forward and backward on every one of ``devices`` at once, and on
+    the first alone (the same program on a one-device mesh): their times' ratio is how much devices
+    of one process slow each other down (simulated CPU devices share the host's cores)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    params = model.init_stacked(jax.random.key(seed), microbatch)
+    stack = jax.tree.map(lambda a: a[:min(_STACK, model.num_layers)], params["layers"])
+    hidden = model.embed(params["pre"], microbatch)
+    forward = _stack_forward(model)
+
+    def forward_backward(p: Any, x: Any) -> Any:
+        y, vjp = jax.vjp(forward, p, x)
+        return vjp(jnp.ones_like(y))
+
+    def on(devs: Sequence[Any]) -> Callable[[], Any]:
+        mesh = Mesh(np.array(devs), ("x",))
+        each = NamedSharding(mesh, P("x"))
+        args = jax.tree.map(lambda a: jax.device_put(jnp.broadcast_to(a, (len(devs), *a.shape)), each),
+                            (stack, hidden))
+        one = lambda p, x: jax.tree.map(lambda a: a[None], forward_backward(*jax.tree.map(lambda a: a[0], (p, x))))
+        run = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+        return lambda: run(*args)
+
+    return on(devices), on(devices[:1])
 
 
 def _exchange_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int,
@@ -1019,6 +1062,11 @@ class Profiler:
                        for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))]
         self._copies = [_stash_copy_run(part.residuals, local[0]) for part in self._parts[1::3]]
         self._processes = len({d.process_index for d in devices})
+        self._sharing = None
+        if len(local) > 1:
+            self._progress(f"profiling: compiling the layers on all {len(local)} devices of this process at once, "
+                           f"and on one alone (devices that share a host slow each other down)")
+            self._sharing = _sharing_runs(model, example_microbatch, local, seed)
         self._comm = None
         if comm and len(devices) > 1:
             pre, layer, post = self._parts[:3]
@@ -1053,7 +1101,9 @@ class Profiler:
         num_devices, comm_runs, exchange_runs = self._comm if self._comm is not None else (0, _CommRuns([], []), [])
         also = [*self._steps, *(run for _, run in self._copies), *(fn for _, fn in comm_runs.allreduce),
                 *(run for _, with_exchange, without in exchange_runs for run in (with_exchange, without))]
-        costs, t_also = _timed(self._parts, repeats, self.warmup, also=also)
+        sharing = list(self._sharing or ())
+        costs, t_also = _timed(self._parts, repeats, self.warmup, also=[*sharing, *also])
+        t_sharing, t_also = t_also[:len(sharing)], t_also[len(sharing):]
         t_steps, t_also = t_also[:len(self._steps)], t_also[len(self._steps):]
         t_copies, t_comm = t_also[:len(self._copies)], t_also[len(self._copies):]
         t_allreduce, t_exchange = t_comm[:len(comm_runs.allreduce)], t_comm[len(comm_runs.allreduce):]
@@ -1066,21 +1116,25 @@ class Profiler:
                 curve.append((other / self._size, cost.forward, cost.backward))
         u_pre, u_layers, u_post = (_mean_time(run, repeats, self.warmup) for run in self._updates)
         updates = (u_pre, u_layers / self._model.num_layers, u_post)
+        # devices of this process that compute at once share its cores: with every one computing (as a
+        # tick of a full pipeline or data parallelism runs) each part takes `shared` times its time alone
+        shared = 1.0 if not t_sharing else max(1.0, max_over_processes([t_sharing[0] / t_sharing[1]])[0])
         # the step of pre, the stack of layers and post at each size: what it costs beyond its parts
         stack = self._parts[1].layers
         parts = [sum(c.forward * n + c.backward * n + u * n
                      for c, u, n in zip(costs[3 * i:3 * i + 3], updates, (1, stack, 1)))
                  for i in range(len(t_steps))]
-        beyond = max_over_processes([max(t - p, 0.0) for t, p in zip(t_steps, parts)])
-        contention = 1.0
+        # (measured on one device alone: with every device stepping at once it takes `shared` times longer)
+        beyond = max_over_processes([max(t - p, 0.0) * shared for t, p in zip(t_steps, parts)])
+        contention = shared
         if self._processes > 1:
             # the steps again, each process alone: on devices that share a machine a step can run much
             # faster when no other device computes (2 CPU processes on 2 vCPUs: 1.05-1.7x on the hosts seen)
             together = max_over_processes(t_steps)
             alone = max_over_processes(_alone_in_turns(self._steps, repeats, self.warmup))
-            contention = max(1.0, sum(together) / sum(alone))  # never faster for others computing
+            contention *= max(1.0, sum(together) / sum(alone))  # never faster for others computing
         step_overhead = list(zip((self._size, *self._others), beyond))
-        pre, layer, post = _slowest_process([cost._replace(update=u, curve=tuple(c))
+        pre, layer, post = _slowest_process([_times_scaled(cost._replace(update=u, curve=tuple(c)), shared)
                                              for cost, u, c in zip(costs[:3], updates, curves)])
         layers = tuple(layer._replace(name=f"layer_{i}") for i in range(self._model.num_layers))
         comm_cost = None
@@ -1142,7 +1196,11 @@ def profile(
     device, and every time in the result is the slowest process's (a lock-step
     step waits for it), the same profile on every process; with more than one
     process, the training steps are timed once more with each process alone in
-    turns (the others wait at a barrier), and the ratio is ``contention``. With ``rounds`` > 1,
+    turns (the others wait at a barrier), and the ratio is ``contention``. Where a process holds
+    more than one of ``devices`` (simulated CPU devices share its cores), the timed stack's
+    forward and backward also runs on all of them at once and on one alone: every time is
+    scaled by that ratio (the times of a tick in which every device computes) and
+    ``contention`` includes it. With ``rounds`` > 1,
     the mean (:func:`mean_profile`) of that many profiles taken back to back: on
     a shared machine an exchange's cost drifts over tens of seconds, and one
     profile of a few seconds can miss a long run's mean by 2x. ``progress``, if given, is called

@@ -12,9 +12,12 @@ import numpy as np
 from jpipe._plan import Plan
 from jpipe._state import batch_size_of
 from jpipe.partition._profile import CommCost, Profile, interpolate
-from jpipe.schedules import Costs, simulate
+from jpipe.schedules import Costs, schedule_traits, simulate
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "1f1b-b")
+# Relative difference of two predicted step times below which the planner treats them as a tie
+# (profiles taken back to back on a shared machine differ by about this much).
+TIE = 0.05
 
 
 class Memory(NamedTuple):
@@ -145,7 +148,9 @@ class Candidate(NamedTuple):
 
 
 class PlanChoice(NamedTuple):
-    """What :func:`plan` returns: the chosen plan and every candidate, fastest fitting first."""
+    """What :func:`plan` returns: the chosen plan and every candidate, the chosen first, then fastest
+    first (the chosen is the fastest that fits, or, among those predicted within :data:`TIE` of it, the
+    one with the least memory, then the fewest micro-batches)."""
 
     plan: Plan
     candidates: tuple[Candidate, ...]
@@ -366,6 +371,30 @@ def predict_memory(profile: Profile, plan: Plan, global_batch: int) -> Memory:
     chunk_res = layers * (layer.residual_bytes + (layer.mask_bytes if uneven else 0.0))
     res_slots = 0 if plan.remat else table.res_depth
     buffers = (table.in_depth + 1) * act + res_slots * chunk_res + 2 * (table.cot_depth + 1) * act
+    tick = _largest_action(prof, plan, table, layers, chunks, chunk_res)
+    # the old optimizer state is copied while the new one is written over it: through the loop where
+    # it is split (at "parameters", with the parameters split alike, about half of it); where it is
+    # whole, XLA puts the loop's buffers in its donated place meanwhile and the copy counts at the end
+    split_opt = (io_opt / n if shard is not None and n > 1 else 0.0) + \
+        (stage_opt / data if shard is not None and data > 1 else 0.0)
+    old_optimizer = split_opt * (0.5 if split_stages else 1.0)
+    # the end of the step: each reduced group of gradients (over more than one device) and its flat copy,
+    # with the old optimizer state -- where it is whole, as much of it as the accumulators displaced
+    # (the NaN guard selects between the old and the updated state only after checking the updated
+    # parameters, so XLA writes most of the update in place; calibrated against compiled_memory on CPU)
+    reduced = (io_grads if n > 1 else 0.0) + (stage_grads if data > 1 else 0.0)
+    displaced = optimizer if shard is not None else min(optimizer, accumulators)
+    reduction = 2 * reduced + displaced
+    return Memory(float(params), float(optimizer), float(gathered), float(accumulators), float(buffers),
+                  float(tick), float(old_optimizer), float(reduction))
+
+
+def _largest_action(prof: Profile, plan: Plan, table: Any, layers: int, chunks: int, chunk_res: float) -> float:
+    """:attr:`Memory.tick`: the temporaries of the largest action of a tick, at the profile's scale."""
+    layer = prof.layers[0]
+    act = layer.activation_bytes
+    pre_p = 0.0 if prof.pre is None else prof.pre.param_bytes
+    post_p = 0.0 if prof.post is None else prof.post.param_bytes
     # the largest action: a backward holds the chunk's gradients, pre's gradient (or its zeros on later
     # stages), a few activations, and, where its loop over layers runs more than once, a copy of its
     # residual slot out of the stash (a run-time index; with one slot the copy folds away; with remat
@@ -382,21 +411,7 @@ def predict_memory(profile: Profile, plan: Plan, global_batch: int) -> Memory:
     head = 0.0 if prof.post is None else prof.post.residual_bytes + post_p + 2 * act
     # (with several chunks a device, the chunk's weights are a run-time slice of the stack: a copy)
     tick = max(backward, accumulate, head) + (chunk_params if chunks > 1 else 0.0)
-    # the old optimizer state is copied while the new one is written over it: through the loop where
-    # it is split (at "parameters", with the parameters split alike, about half of it); where it is
-    # whole, XLA puts the loop's buffers in its donated place meanwhile and the copy counts at the end
-    split_opt = (io_opt / n if shard is not None and n > 1 else 0.0) + \
-        (stage_opt / data if shard is not None and data > 1 else 0.0)
-    old_optimizer = split_opt * (0.5 if split_stages else 1.0)
-    # the end of the step: each reduced group of gradients (over more than one device) and its flat copy,
-    # with the old optimizer state -- where it is whole, as much of it as the accumulators displaced
-    # (the NaN guard selects between the old and the updated state only after checking the updated
-    # parameters, so XLA writes most of the update in place; calibrated against compiled_memory on CPU)
-    reduced = (io_grads if n > 1 else 0.0) + (stage_grads if data > 1 else 0.0)
-    displaced = optimizer if shard is not None else min(optimizer, accumulators)
-    reduction = 2 * reduced + displaced
-    return Memory(float(params), float(optimizer), float(gathered), float(accumulators), float(buffers),
-                  float(tick), float(old_optimizer), float(reduction))
+    return tick
 
 
 # activations a backward holds beyond its residuals (the cotangents in and out, a layer's intermediates,
@@ -503,7 +518,10 @@ def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limi
     ``pipe`` runs over the divisors of ``num_devices`` up to the number of
     layers, ``data`` is the rest, the micro-batch count over the divisors of
     the per-replica batch (at most ``max_microbatches``), the partition is the
-    :func:`balanced_partition` for ``pipe`` stages.
+    :func:`balanced_partition` for ``pipe`` stages. The choice is the fastest
+    plan whose memory fits ``memory_limit`` bytes per device; plans predicted
+    within :data:`TIE` of it count as a tie, won by the least memory, then the
+    fewest micro-batches. When no plan fits, the error names the smallest.
 
     >>> from jpipe.partition import LayerCost, Profile
     >>> layer = LayerCost("l", 1e-3, 2e-3, activation_bytes=1e3, param_bytes=1e6, optimizer_bytes=2e6)
@@ -525,11 +543,10 @@ def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limi
             if m > max_microbatches:
                 continue
             for schedule in (schedules if pipe > 1 else ("1f1b",)):
-                if schedule == "1f1b-b" and m <= pipe:
-                    continue  # identical to 1f1b when every stage warms up with all M
-                # Fused ticks (one F and one B per tick) pay off with policy B's warm-up, which
-                # keeps them full; with 1F1B's they stall (jpipe.schedules.fuse_ticks).
-                for fused in (False, True) if schedule == "1f1b-b" else (False,):
+                traits = schedule_traits(schedule)
+                if m < traits.min_microbatches(pipe):
+                    continue  # the same table as another schedule's
+                for fused in (False, True) if traits.fuses else (False,):
                     plan = Plan(pipe=pipe, data=data, microbatches=m, schedule=schedule,
                                 partition=partition, fuse_ticks=fused)
                     cand = evaluate(profile, plan, global_batch)
@@ -541,14 +558,22 @@ def search(profile: Profile, num_devices: int, global_batch: int, *, memory_limi
                          f"{num_devices}")
     out.sort(key=lambda c: (not c.fits, c.step_time, c.memory))  # equal time: less memory first
     if not out[0].fits:
+        least = min(out, key=lambda c: c.memory)
+        p = least.plan
         raise ValueError(
-            f"no plan fits in {memory_limit / 2**20:.1f} MiB per device (the smallest needs "
-            f"{min(c.memory for c in out) / 2**20:.1f} MiB); raise memory_limit, use more devices or "
-            f"a smaller model")
-    return PlanChoice(out[0].plan, tuple(out))
+            f"no plan fits in {memory_limit / 2**20:.1f} MiB per device: the smallest, pipe {p.pipe} x data "
+            f"{p.data} with {p.microbatches} micro-batches ({p.schedule}), needs {least.memory / 2**20:.1f} MiB; "
+            f"allow at least that much memory per device, use more devices or a smaller model or batch")
+    # predictions this close are within the model's error: the one with less memory, then fewer
+    # micro-batches, goes first, so that the choice does not flip with a profile's noise
+    close = [c for c in out if c.fits and c.step_time <= out[0].step_time * (1 + TIE)]
+    first = min(close, key=lambda c: (c.memory, c.plan.microbatches, c.step_time))
+    out.remove(first)
+    return PlanChoice(first.plan, (first, *out))
 
 
-def _device_memory(devices: Sequence[Any]) -> float | None:
+def device_memory(devices: Sequence[Any]) -> float | None:
+    """Bytes of memory the first of ``devices`` reports (``None`` where it reports none, as on CPU)."""
     try:
         stats = devices[0].memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats
@@ -595,7 +620,7 @@ def plan(model: Any, example_batch: Any, devices: Sequence[Any] | None = None,
         profile = measure(model, microbatch, optimizer=optimizer, devices=devices, microbatch_sizes=sizes,
                           rounds=profile_rounds, progress=progress)
     if memory_limit is None:
-        memory_limit = _device_memory(devices)
+        memory_limit = device_memory(devices)
     choice = search(profile, len(devices), batch, memory_limit=memory_limit, schedules=schedules,
                     max_microbatches=max_microbatches)
     if progress is not None:
