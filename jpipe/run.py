@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
@@ -540,17 +539,14 @@ def _alive(pid: Any) -> bool:
 
 def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequence | None, command: str | None,
            log: Callable[..., None], wall_start: float, stop: StopRequest) -> dict[str, Any]:
+    """The run, in named parts: data and model, plan, state, evaluation, the loop, the summary."""
     import jax
-    import optax
 
-    import jpipe
     from jpipe import data as jdata
-    from jpipe import models, schedules
+    from jpipe import models
+    from jpipe.checkpoint import Checkpointer
 
-    resume = resume_steps is not None
-    out = config.out
     main_process = jax.process_index() == 0
-    multi_process = jax.process_count() > 1
     if not main_process:  # one voice: process 0 prints, the others only fail loudly
         def log(*args: Any, **kwargs: Any) -> None:
             pass
@@ -559,13 +555,41 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
     model = models.gpt(corpus.vocab_size, config.seq_len, d_model=config.d_model, num_heads=config.heads,
                        num_layers=config.layers, framework=config.framework, dtype=config.dtype,
                        dropout=config.dropout)
-
-    def train_batches() -> Iterator[dict]:
-        return corpus.batches(config.seq_len, config.batch_size, seed=config.seed, split="train")
-
-    example = next(train_batches())
+    example = next(corpus.batches(config.seq_len, config.batch_size, seed=config.seed, split="train"))
     available = list(devices) if devices is not None else jax.devices()
-    rec = _saved_plan(out) if resume and not config.plan_given else None
+    plan, plan_record = _resolve_plan(config, model, example, available, resume_steps is not None, log)
+    run_devices = available[: plan.num_devices]
+    if main_process:
+        _write_plan_files(config, plan, plan_record, log)
+    _describe(config, corpus, plan, plan_record, run_devices, log)
+    checkpoints = Checkpointer(os.path.join(os.path.abspath(config.out), "checkpoints"),
+                               every=config.checkpoint_every or config.steps + 1,
+                               keep=max(1, config.keep_checkpoints))
+    state, start_step, num_params = _initial_state(config, model, plan, example, run_devices, checkpoints,
+                                                   resume_steps, log)
+    evaluation = _Evaluation(config, model, corpus, state, run_devices)
+    progress = _Progress(config, start_step, corpus.unigram_loss(), log if main_process else None)
+    loop = _Loop(config, evaluation, progress, checkpoints, stop)
+    try:
+        if start_step == 0:
+            progress.initial(evaluation.loss(state))
+        state = loop.run(state, corpus, start_step)
+    finally:
+        progress.close()
+        checkpoints.close()
+    return _summarise(config, command, corpus, num_params, plan_record, run_devices, progress, loop,
+                      start_step if resume_steps is not None else None, wall_start, log)
+
+
+def _resolve_plan(config: TrainConfig, model, example: dict, available: Sequence, resume: bool,
+                  log: Callable[..., None]) -> tuple[Any, dict[str, Any]]:
+    """The plan (a resumed run's saved one, else :func:`choose_plan`'s), checked against the devices
+    and the batch, and its plan.json record."""
+    import jax
+
+    import jpipe
+
+    rec = _saved_plan(config.out) if resume and not config.plan_given else None
     if rec is not None:
         # Continue on the plan the run had (the planner might choose differently now).
         plan = jpipe.Plan(pipe=rec["pipe"], data=rec["data"], microbatches=rec["microbatches"],
@@ -583,59 +607,90 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
     if config.batch_size % per:
         raise ValueError(f"--batch-size {config.batch_size} must be a multiple of data x microbatches = "
                          f"{plan.data} x {plan.microbatches} = {per}")
-    if multi_process and len(available) != plan.num_devices:
+    if jax.process_count() > 1 and len(available) != plan.num_devices:
         raise ValueError(f"with {jax.process_count()} processes give exactly pipe x data = {plan.num_devices} "
                          f"devices over all processes (jpipe.distributed.mesh_devices), got {len(available)}")
-    run_devices = available[: plan.num_devices]
     plan_record = _plan_record(plan, source, config.layers)
     plan_record["planner_candidates"] = candidates
     plan_record.update(choice_record)
+    return plan, plan_record
 
-    if main_process:
-        dump_config(config, os.path.join(out, report.CONFIG))
-        with open(os.path.join(out, report.PLAN), "w") as f:
-            json.dump(plan_record, f, indent=2)
-        try:
-            schedules.gantt_png(plan.table(), os.path.join(out, report.SCHEDULE_PNG))
-        except ImportError as e:
-            log(f"no schedule picture: {e}")
 
-    log(f"run folder: {out}")
+def _write_plan_files(config: TrainConfig, plan, plan_record: dict[str, Any], log: Callable[..., None]) -> None:
+    """config.toml, plan.json and the schedule's picture in the run folder."""
+    from jpipe import schedules
+
+    dump_config(config, os.path.join(config.out, report.CONFIG))
+    with open(os.path.join(config.out, report.PLAN), "w") as f:
+        json.dump(plan_record, f, indent=2)
+    try:
+        schedules.gantt_png(plan.table(), os.path.join(config.out, report.SCHEDULE_PNG))
+    except ImportError as e:
+        log(f"no schedule picture: {e}")
+
+
+def _describe(config: TrainConfig, corpus, plan, plan_record: dict[str, Any], run_devices: Sequence,
+              log: Callable[..., None]) -> None:
+    log(f"run folder: {config.out}")
     log(f"corpus: {len(corpus.train):,} train / {len(corpus.heldout):,} held-out bytes of Python "
         f"standard-library source ({len(corpus.train_files)} / {len(corpus.heldout_files)} files)")
     log(f"model: GPT ({config.framework}), {config.layers} layers, d_model {config.d_model}, "
         f"{config.heads} heads, seq_len {config.seq_len}, byte vocabulary ({corpus.vocab_size})"
         + (f", {config.dtype} compute with float32 parameters" if config.dtype != "float32" else ""))
-    log(f"plan ({source}): pipe {plan.pipe} x data {plan.data} on {len(run_devices)} "
+    log(f"plan ({plan_record['source']}): pipe {plan.pipe} x data {plan.data} on {len(run_devices)} "
         f"{run_devices[0].platform} devices, {plan.microbatches} micro-batches, schedule "
         f"{plan_record['schedule']!r}{' + remat' if plan.remat else ''}"
         f"{' + fused ticks' if plan.fuse_ticks else ''}, layers per stage "
         f"{tuple(plan_record['partition'])}, simulated bubble {plan_record['simulated_bubble']:.1%}; "
         f"batch {config.batch_size}, adam lr {config.lr:g}")
 
-    optimizer = optax.adam(config.lr)
-    from jpipe.checkpoint import Checkpointer
 
-    checkpoints = Checkpointer(os.path.join(os.path.abspath(out), "checkpoints"),
-                               every=config.checkpoint_every or config.steps + 1,
-                               keep=max(1, config.keep_checkpoints))
-    start_step = 0
-    if resume:
+def _initial_state(config: TrainConfig, model, plan, example: dict, run_devices: Sequence, checkpoints,
+                   resume_steps: list[int] | None, log: Callable[..., None]) -> tuple[Any, int, int]:
+    """The state to start from, its step and the model's parameter count: restored from the newest
+    intact checkpoint, or fresh."""
+    import jax
+    import optax
+
+    import jpipe
+
+    optimizer = optax.adam(config.lr)
+    main_process = jax.process_index() == 0
+    if resume_steps is not None:
         state, start_step = _restore_intact(checkpoints, resume_steps, model, plan, optimizer, example,
                                             run_devices, log)
         if main_process:
-            report.truncate_metrics(out, start_step)
+            report.truncate_metrics(config.out, start_step)
         log(f"resumed from the checkpoint at step {start_step}")
     else:
-        state = jpipe.init(model, plan, optimizer, example, rng=jax.random.key(config.seed), devices=run_devices)
-        if main_process and os.path.exists(os.path.join(out, report.METRICS)):
-            os.remove(os.path.join(out, report.METRICS))  # a fresh run into an existing folder
-    num_params = sum(x.size for x in jax.tree.leaves(jpipe.to_sequential(state)))
+        state, start_step = jpipe.init(model, plan, optimizer, example, rng=jax.random.key(config.seed),
+                                       devices=run_devices), 0
+        if main_process and os.path.exists(os.path.join(config.out, report.METRICS)):
+            os.remove(os.path.join(config.out, report.METRICS))  # a fresh run into an existing folder
+    num_params = int(sum(x.size for x in jax.tree.leaves(jpipe.to_sequential(state))))
     log(f"parameters: {num_params:,}")
+    return state, start_step, num_params
 
-    heldout = list(corpus.batches(config.seq_len, config.batch_size, seed=config.seed + 1, split="heldout",
-                                  num_batches=config.eval_batches))
-    if multi_process:
+
+class _Evaluation:
+    """The held-out loss of a state's plain model, and each process's rows of a training batch."""
+
+    def __init__(self, config: TrainConfig, model, corpus, state, run_devices: Sequence) -> None:
+        import jax
+
+        self.config = config
+        heldout = list(corpus.batches(config.seq_len, config.batch_size, seed=config.seed + 1, split="heldout",
+                                      num_batches=config.eval_batches))
+        if jax.process_count() > 1:
+            self._across_processes(model, heldout, state)
+        else:
+            self.device = run_devices[0]
+            self.batches = [jax.device_put(b, self.device) for b in heldout]
+            self.loss_fn = jax.jit(model.loss_value)
+            self.rows = None
+
+    def _across_processes(self, model, heldout: list[dict], state) -> None:
+        import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
@@ -644,137 +699,178 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
         # No process can gather the parameters onto one of its devices: every device of the mesh
         # computes the held-out loss on replicated parameters, and every process reads it.
         replicated = NamedSharding(state.mesh, P())
-        eval_batches = [jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated,
+        self.device, self.mesh = None, state.mesh
+        self.batches = [jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, replicated,
                                                                             lambda idx, a=a: a[idx]), b)
                         for b in heldout]
-
-        @functools.partial(jax.jit, out_shardings=replicated)
-        def loss_fn(params, batch):
-            return model.loss_value(jax.lax.with_sharding_constraint(params, replicated), batch)
-
-        def place_params():
-            return jpipe.to_sequential(state)
-
-        rows = distributed.local_rows(state.mesh, config.batch_size)
-
-        def feed(batch: dict) -> dict:  # this process's rows of the global batch
-            return distributed.global_batch(state.mesh, {k: v[rows] for k, v in batch.items()}, config.batch_size)
-
+        self.loss_fn = jax.jit(lambda params, batch: model.loss_value(
+            jax.lax.with_sharding_constraint(params, replicated), batch), out_shardings=replicated)
+        self.rows = distributed.local_rows(state.mesh, self.config.batch_size)
+        plan = state.plan
         stages = sorted({s for s in range(plan.pipe) if any(d.process_index == jax.process_index()
                                                             for d in state.mesh.devices[s])})
         print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local "
-              f"device(s), stages {stages}, batch rows {rows.start}:{rows.stop}", flush=True)
-    else:
-        eval_device = run_devices[0]
-        eval_batches = [jax.device_put(b, eval_device) for b in heldout]
-        loss_fn = jax.jit(model.loss_value)
+              f"device(s), stages {stages}, batch rows {self.rows.start}:{self.rows.stop}", flush=True)
 
-        def place_params():
-            return jax.device_put(jpipe.to_sequential(state), eval_device)
+    def loss(self, state) -> float:
+        import jax
 
-        def feed(batch: dict) -> dict:
-            return batch
+        import jpipe
 
-    def heldout_loss() -> float:
-        params = place_params()
-        losses = [loss_fn(params, b) for b in eval_batches]
+        params = jpipe.to_sequential(state)
+        if self.device is not None:
+            params = jax.device_put(params, self.device)
+        losses = [self.loss_fn(params, b) for b in self.batches]
         return float(sum(float(x) for x in losses) / len(losses))
 
-    unigram = corpus.unigram_loss()
-    # Closed in the finally clause below; appended to as each step finishes.
-    metrics_file = open(os.path.join(out, report.METRICS), "a") if main_process else None  # noqa: SIM115
+    def feed(self, batch: dict) -> dict:
+        """This process's rows of the global batch (all of it in one process)."""
+        if self.rows is None:
+            return batch
+        from jpipe import distributed
 
-    def record(entry: dict[str, Any]) -> None:
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(entry) + "\n")
-            metrics_file.flush()
+        size = self.config.batch_size
+        return distributed.global_batch(self.mesh, {k: v[self.rows] for k, v in batch.items()}, size)
 
-    if start_step == 0:
-        initial = heldout_loss()
-        record({"step": 0, "heldout_loss": initial})
-        log(f"held-out loss at initialisation: {initial:.4f} (unigram baseline {unigram:.4f}, "
-            f"uniform log 256 = {math.log(256):.4f})")
 
-    tokens_per_step = config.batch_size * config.seq_len
-    batches = _skip(train_batches(), start_step)
-    bar = _progress_bar(config, start_step) if main_process else None
-    say = bar.write if bar is not None else log
-    first_step_s = None
-    window: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
-    recent: list[float] = []  # step times for the bar's tokens/s
-    step_times: list[float] = []  # every step's seconds but the first (compiling)
-    train_start = time.perf_counter()
-    last_heldout = None
-    stopped_at = None  # the step an interrupt stopped the run at
-    try:
+class _Progress:
+    """metrics.jsonl, the progress bar and the log lines of the loop; keeps the step times."""
+
+    def __init__(self, config: TrainConfig, start_step: int, unigram: float, log: Callable[..., None] | None):
+        self.config, self.unigram = config, unigram
+        self.tokens_per_step = config.batch_size * config.seq_len
+        # Closed by close(); appended to as each step finishes.
+        self.file = open(os.path.join(config.out, report.METRICS), "a") if log is not None else None  # noqa: SIM115
+        self.bar = _progress_bar(config, start_step) if log is not None else None
+        self.say = self.bar.write if self.bar is not None else (log or (lambda *a, **k: None))
+        self.first_step_s: float | None = None
+        self.window: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
+        self.recent: list[float] = []  # step times for the bar's tokens/s
+        self.step_times: list[float] = []  # every step's seconds but the first (compiling)
+        self.start = time.perf_counter()
+        self.last_heldout: float | None = None
+
+    def record(self, entry: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+
+    def initial(self, loss: float) -> None:
+        self.record({"step": 0, "heldout_loss": loss})
+        self.say(f"held-out loss at initialisation: {loss:.4f} (unigram baseline {self.unigram:.4f}, "
+                 f"uniform log 256 = {math.log(256):.4f})")
+
+    def step(self, step: int, loss: float, seconds: float, compiled: bool) -> None:
+        if compiled:
+            self.first_step_s = seconds
+        else:
+            self.window.append((loss, seconds))
+            self.recent = (self.recent + [seconds])[-20:]
+            self.step_times.append(seconds)
+        self.record({"step": step, "loss": loss, "step_s": seconds,
+                     "tokens_per_s": self.tokens_per_step / seconds, "elapsed_s": time.perf_counter() - self.start,
+                     **({"compiled": True} if compiled else {})})
+        if self.bar is not None:
+            rate = self.tokens_per_step * len(self.recent) / sum(self.recent) if self.recent else float("nan")
+            self.bar.set_postfix_str(f"loss {loss:.3f}" + (f", {rate:,.0f} tok/s" if self.recent else ""),
+                                     refresh=False)
+            self.bar.update(1)
+        if compiled:
+            self.say(f"step {step:>5}  loss {loss:.4f}  (includes compilation: {seconds:.1f}s)")
+        elif step % self.config.log_every == 0 or step == self.config.steps:
+            mean = sum(w[0] for w in self.window) / len(self.window)
+            rate = len(self.window) * self.tokens_per_step / sum(w[1] for w in self.window)
+            self.say(f"step {step:>5}  loss {mean:.4f}  {rate:,.0f} tokens/s")
+            self.window = []
+
+    def heldout(self, step: int, loss: float) -> None:
+        self.last_heldout = loss
+        self.record({"step": step, "heldout_loss": loss})
+        self.say(f"step {step:>5}  held-out loss {loss:.4f}  (unigram baseline {self.unigram:.4f})")
+
+    @property
+    def median_step_s(self) -> float | None:
+        return sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+
+
+class _Loop:
+    """The training loop: a step, its metrics, the evaluations and checkpoints it is due for; it stops
+    at a step boundary when every process agreed to (Ctrl-C, SIGTERM)."""
+
+    def __init__(self, config: TrainConfig, evaluation: _Evaluation, progress: _Progress, checkpoints,
+                 stop: StopRequest) -> None:
+        self.config, self.evaluation, self.progress = config, evaluation, progress
+        self.checkpoints, self.stop = checkpoints, stop
+        self.stopped_at: int | None = None  # the step an interrupt stopped the run at
+        self.start_step = 0
+        self.train_s = 0.0
+
+    def run(self, state, corpus, start_step: int):
+        import jax
+
+        import jpipe
+
+        config = self.config
+        batches = _skip(corpus.batches(config.seq_len, config.batch_size, seed=config.seed, split="train"),
+                        start_step)
+        start = self.progress.start = time.perf_counter()
+        self.start_step = start_step
         for step in range(start_step + 1, config.steps + 1):
-            if stop.agreed(multi_process):
-                stopped_at = step - 1
+            if self.stop.agreed(jax.process_count() > 1):
+                self.stopped_at = step - 1
                 break
             tick = time.perf_counter()
-            state, metrics = jpipe.train_step(state, feed(next(batches)))
+            state, metrics = jpipe.train_step(state, self.evaluation.feed(next(batches)))
             loss = float(metrics["loss"])  # waits for the step
-            seconds = time.perf_counter() - tick
-            compiled = step == start_step + 1
-            if compiled:
-                first_step_s = seconds
-            else:
-                window.append((loss, seconds))
-                recent = (recent + [seconds])[-20:]
-                step_times.append(seconds)
-            record({"step": step, "loss": loss, "step_s": seconds,
-                    "tokens_per_s": tokens_per_step / seconds, "elapsed_s": time.perf_counter() - train_start,
-                    **({"compiled": True} if compiled else {})})
-            tokens_per_s = tokens_per_step * len(recent) / sum(recent) if recent else float("nan")
-            if bar is not None:
-                bar.set_postfix_str(f"loss {loss:.3f}" + (f", {tokens_per_s:,.0f} tok/s" if recent else ""),
-                                    refresh=False)
-                bar.update(1)
-            if compiled:
-                say(f"step {step:>5}  loss {loss:.4f}  (includes compilation: {seconds:.1f}s)")
-            elif step % config.log_every == 0 or step == config.steps:
-                mean = sum(w[0] for w in window) / len(window)
-                rate = len(window) * tokens_per_step / sum(w[1] for w in window)
-                say(f"step {step:>5}  loss {mean:.4f}  {rate:,.0f} tokens/s")
-                window = []
+            self.progress.step(step, loss, time.perf_counter() - tick, compiled=step == start_step + 1)
             if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
-                last_heldout = heldout_loss()
-                record({"step": step, "heldout_loss": last_heldout})
-                say(f"step {step:>5}  held-out loss {last_heldout:.4f}  (unigram baseline {unigram:.4f})")
+                self.progress.heldout(step, self.evaluation.loss(state))
             # Batches are a function of the step, so the step is the whole data position.
-            checkpoints.save(state, force=step == config.steps, extra={"batches_consumed": step})
-        if stopped_at is not None:
-            checkpoints.save(state, force=True, extra={"batches_consumed": stopped_at})
-            say(f"interrupted: stopped after step {stopped_at}, saving its checkpoint")
-    finally:
-        if bar is not None:
-            bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
-        checkpoints.close()
+            self.checkpoints.save(state, force=step == config.steps, extra={"batches_consumed": step})
+        if self.stopped_at is not None:
+            self.checkpoints.save(state, force=True, extra={"batches_consumed": self.stopped_at})
+            self.progress.say(f"interrupted: stopped after step {self.stopped_at}, saving its checkpoint")
+        self.train_s = time.perf_counter() - start
+        return state
 
+
+def _summarise(config: TrainConfig, command: str | None, corpus, num_params: int, plan_record: dict[str, Any],
+               run_devices: Sequence, progress: _Progress, loop: _Loop, resumed_from: int | None,
+               wall_start: float, log: Callable[..., None]) -> dict[str, Any]:
+    """summary.json and report.md (process 0), and the run's last log lines; returns the summary."""
+    import jax
+
+    import jpipe
+
+    out, unigram = config.out, progress.unigram
     summary = {
         "command": command,
         "steps": config.steps,
-        "steps_run": (config.steps if stopped_at is None else stopped_at) - start_step,
+        "steps_run": (config.steps if loop.stopped_at is None else loop.stopped_at) - loop.start_step,
         "out": out,
-        "interrupted": stopped_at is not None,
-        "stopped_at": stopped_at,
-        "resumed_from": start_step if resume else None,
-        "num_params": int(num_params),
-        "tokens_per_step": tokens_per_step,
+        "interrupted": loop.stopped_at is not None,
+        "stopped_at": loop.stopped_at,
+        "resumed_from": resumed_from,
+        "num_params": num_params,
+        "tokens_per_step": progress.tokens_per_step,
         "train_bytes": len(corpus.train),
         "heldout_bytes": len(corpus.heldout),
         "unigram_loss": unigram,
         "unigram_entropy": corpus.unigram_entropy(),
-        "final_heldout_loss": last_heldout,
-        "first_step_s": first_step_s,
-        "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
-        "train_s": time.perf_counter() - train_start,
+        "final_heldout_loss": progress.last_heldout,
+        "first_step_s": progress.first_step_s,
+        "median_step_s": progress.median_step_s,
+        "train_s": loop.train_s,
         "devices": f"{len(run_devices)} x {run_devices[0].platform} ({run_devices[0].device_kind})",
         "versions": f"jpipe {jpipe.__version__}, jax {jax.__version__}, Python {platform.python_version()}",
     }
-    if main_process:
+    if jax.process_index() == 0:
         summary["wall_s"] = time.perf_counter() - wall_start
         with open(os.path.join(out, report.SUMMARY), "w") as f:
             json.dump(summary, f, indent=2)
@@ -785,9 +881,9 @@ def _train(config: TrainConfig, resume_steps: list[int] | None, devices: Sequenc
         measured = summary["median_step_s"] * 1e3
         log(f"step time: the planner predicted {predicted:.1f} ms, the median step took {measured:.1f} ms "
             f"({predicted / measured - 1:+.0%})")
-    if last_heldout is not None:
-        verdict = "below" if last_heldout < unigram else "NOT below"
-        log(f"held-out loss {last_heldout:.4f}, {verdict} the unigram baseline {unigram:.4f}; "
+    if progress.last_heldout is not None:
+        verdict = "below" if progress.last_heldout < unigram else "NOT below"
+        log(f"held-out loss {progress.last_heldout:.4f}, {verdict} the unigram baseline {unigram:.4f}; "
             f"{summary['steps_run']} steps in {summary['train_s']:.1f}s; report: "
             f"{os.path.join(out, report.REPORT)}")
     return summary
