@@ -74,13 +74,6 @@ def equality_worker(out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache_env(tmp_path_factory) -> dict[str, str]:
-    """A compilation cache shared by the launched processes: later launches skip compiling."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "jax-cache"),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
-@pytest.fixture(scope="module")
 def reference():
     """The same plan in this one process, on 4 of its devices."""
     model, b0 = _model_and_batch(0)
@@ -93,9 +86,9 @@ def reference():
     return losses, [np.asarray(x) for x in jax.tree.leaves(jpipe.to_sequential(state))]
 
 
-def test_two_processes_equal_one_process(tmp_path, reference, cache_env):
+def test_two_processes_equal_one_process(tmp_path, reference):
     results = distributed.launch_local(equality_worker, num_processes=2, devices_per_process=2, timeout=240,
-                                       args=[str(tmp_path)], check=True, env=cache_env)
+                                       args=[str(tmp_path)], check=True)
     out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
            if line.startswith("RESULT ")]
     assert [o["process"] for o in out] == [0, 1] and all(o["devices"] == 2 for o in out)
@@ -155,9 +148,9 @@ def profile_worker() -> None:
     print("RESULT " + json.dumps({"process": info.process_id, "spans": spans, "profile": json.loads(prof.to_json())}))
 
 
-def test_profile_times_each_process_alone_in_turns_and_agrees_across_processes(cache_env):
+def test_profile_times_each_process_alone_in_turns_and_agrees_across_processes():
     results = distributed.launch_local(profile_worker, num_processes=2, devices_per_process=1, timeout=240,
-                                       check=True, env=cache_env)
+                                       check=True)
     out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
            if line.startswith("RESULT ")]
     assert [o["process"] for o in out] == [0, 1]
@@ -182,9 +175,9 @@ def measure_worker() -> None:
     print("RESULT " + json.dumps({"process": info.process_id, "times": times}))
 
 
-def test_measured_plans_agree_across_processes(cache_env):
+def test_measured_plans_agree_across_processes():
     results = distributed.launch_local(measure_worker, num_processes=2, devices_per_process=1, timeout=240,
-                                       check=True, env=cache_env)
+                                       check=True)
     out = [json.loads(line[len("RESULT "):]) for r in results for line in r.output.splitlines()
            if line.startswith("RESULT ")]
     assert [o["process"] for o in out] == [0, 1]
@@ -211,9 +204,9 @@ def dying_worker(victim: int) -> None:
     1,
     pytest.param(0, marks=pytest.mark.exhaustive),  # another 2-process run
 ], ids=["worker-dies", "coordinator-dies"])
-def test_one_process_dies_the_other_exits_with_a_clear_error(victim, cache_env):
+def test_one_process_dies_the_other_exits_with_a_clear_error(victim):
     results = distributed.launch_local(dying_worker, num_processes=2, devices_per_process=1, timeout=180,
-                                       args=[victim], grace=90, env=cache_env)
+                                       args=[victim], grace=90)
     dead, survivor = results[victim], results[1 - victim]
     print(f"victim ended at {dead.elapsed_s:.1f}s, survivor at {survivor.elapsed_s:.1f}s")
     assert "DYING" in dead.output and dead.returncode == -signal.SIGKILL, dead.output[-2000:]
@@ -256,7 +249,7 @@ def _metrics(run_dir: Path) -> tuple[list, list]:
     ("pipe", 2, 1, True),
     pytest.param("data", 1, 2, False, marks=pytest.mark.exhaustive),  # another 2-process run
 ], ids=["pipe-across-coordinator-flags", "data-across-distributed-flag"])
-def test_jpipe_train_two_processes_equals_one_process(tmp_path, cache_env, across, pipe, data, explicit):
+def test_jpipe_train_two_processes_equals_one_process(tmp_path, across, pipe, data, explicit):
     from jpipe import cli
     from jpipe.checkpoint import Checkpointer
 
@@ -264,7 +257,7 @@ def test_jpipe_train_two_processes_equals_one_process(tmp_path, cache_env, acros
     out = tmp_path / "two"
     results = distributed.launch_local(cli_worker, num_processes=2, devices_per_process=1, timeout=240,
                                        args=[str(out), [*TINY_RUN, *plan, "--across", across], explicit],
-                                       check=True, env=cache_env)
+                                       check=True)
     rows = ["0:8", "0:8"] if across == "pipe" else ["0:4", "4:8"]
     stages = ["[0]", "[1]"] if across == "pipe" else ["[0]", "[0]"]
     for r in results:  # each process holds its stage(s) and loads only its own rows of the batch
@@ -309,14 +302,14 @@ def interrupted_cli_worker(out: str, argv: list[str]) -> None:
     cli_worker(out, argv, explicit=False)
 
 
-def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step_and_resumes_exactly(tmp_path, cache_env):
+def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step_and_resumes_exactly(tmp_path):
     from jpipe import cli
     from jpipe.checkpoint import Checkpointer
 
     argv = [*TINY_RUN, "--steps", "12", "--eval-every", "0", "--pipe", "2", "--data", "1", "--across", "pipe"]
     out = tmp_path / "two"
     results = distributed.launch_local(interrupted_cli_worker, num_processes=2, devices_per_process=1,
-                                       timeout=240, args=[str(out), argv], grace=60, env=cache_env)
+                                       timeout=240, args=[str(out), argv], grace=60)
     stopped = set()
     for r in results:
         assert r.returncode == 130 and not r.killed and "Traceback" not in r.output, r.output[-3000:]
@@ -376,9 +369,8 @@ def mismatched_worker() -> None:
     time.sleep(120)
 
 
-def test_a_process_with_another_num_processes_is_refused_by_every_process(cache_env):
-    results = distributed.launch_local(mismatched_worker, num_processes=2, devices_per_process=1, timeout=120,
-                                       env=cache_env)
+def test_a_process_with_another_num_processes_is_refused_by_every_process():
+    results = distributed.launch_local(mismatched_worker, num_processes=2, devices_per_process=1, timeout=120)
     for r in results:  # both refuse at once (the launcher may end the second after the first exits)
         assert "has 2 processes (process 0's --num-processes), but process 1 with 3" in r.output, r.output[-2000:]
         assert r.returncode == 3 or r.killed
