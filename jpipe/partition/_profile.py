@@ -8,6 +8,7 @@ PipeDream / DAPPLE graph profiles the DAPPLE authors published).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -537,7 +538,7 @@ def _mean_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
 def _part_runs(forward: Callable, args: tuple, cotangent_of: Callable | None,
                keep_residuals: bool = False) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
     """(run the forward, run forward + backward, residual shapes) of ``forward(params, x, *rest)``
-    w.r.t. (params, x): two jitted calls to time, and what the backward keeps.
+    w.r.t. (params, x): two compiled calls to time, and what the backward keeps.
 
     With ``keep_residuals`` the forward runs as the executor's forward tick
     runs it: ``jax.vjp``'s forward, returning the residuals the backward needs.
@@ -556,7 +557,7 @@ def _part_runs(forward: Callable, args: tuple, cotangent_of: Callable | None,
         y, vjp = vjp_of(a)
         return vjp(jnp.ones_like(y) if cotangent_of is None else cotangent_of(y))
 
-    fwd, both = jax.jit(fwd_keep if keep_residuals else forward), jax.jit(fwd_bwd)
+    fwd, both = (jax.jit(f).lower(*args).compile() for f in (fwd_keep if keep_residuals else forward, fwd_bwd))
     residuals = jax.eval_shape(lambda *a: vjp_of(a)[1].opaque_residuals, *args)
     return (lambda: fwd(*args)), (lambda: both(*args)), residuals
 
@@ -714,23 +715,28 @@ def memory_profile(model: Any, example_microbatch: Any, *, optimizer: Any = None
                    name=type(model).__name__, backend="shapes")
 
 
-def _parts(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> tuple[_Part, _Part, _Part]:
-    """``pre``, a stack of (up to) ``_STACK`` layers and ``post`` with the loss, at ``microbatch``."""
+def _timed_stack(params: Any) -> Any:
+    """The layers a profile times (the first ``_STACK``) of stacked ``params``."""
+    import jax
+
+    return jax.tree.map(lambda a: a[:_STACK], params["layers"])
+
+
+def _parts(model: Any, params: Any, microbatch: Any, optimizer: Any, device: Any) -> tuple[_Part, _Part, _Part]:
+    """``pre``, a stack of (up to) ``_STACK`` layers and ``post`` with the loss, at ``microbatch``;
+    ``params`` (stacked, on ``device``) are the same at every size."""
     import jax
     import jax.numpy as jnp
 
-    params = model.init_stacked(jax.random.key(seed), microbatch)
-    params = jax.device_put(params, device)
     microbatch = jax.device_put(microbatch, device)
-    pre_p, post_p = params["pre"], params["post"]
+    pre_p, post_p, stack_p = params["pre"], params["post"], _timed_stack(params)
     k = min(_STACK, model.num_layers)
-    stack_p = jax.tree.map(lambda a: a[:k], params["layers"])
-    hidden = jax.jit(model.embed)(pre_p, microbatch)
     pre_c, layer_c, post_c, stack_res = _part_sizes(model, microbatch, optimizer, k)
 
     # pre: differentiate w.r.t. its parameters only (the micro-batch is data)
     f, fb, _ = _part_runs(lambda p, x: model.embed(p, x), (pre_p, microbatch), None)
     pre = _Part(pre_c, f, fb, 1)
+    hidden = f()  # pre's forward, compiled to be timed, gives the layers' input
     f, fb, _ = _part_runs(_stack_forward(model), (stack_p, hidden), None, keep_residuals=True)
     layer = _Part(layer_c, f, fb, k, stack_res)
     f, fb, _ = _part_runs(lambda p, x, mb: model.head_loss(p, x, mb), (post_p, hidden, microbatch),
@@ -751,14 +757,12 @@ def _timed(parts: Sequence[_Part], repeats: int, warmup: int,
             for part, t_f, t_fb in zip(parts, times[::2], times[1::2])], also_times
 
 
-def _update_runs(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> list[Callable[[], Any]]:
+def _update_runs(params: Any, optimizer: Any) -> list[Callable[[], Any]]:
     """Runs of ``optimizer.update`` + ``optax.apply_updates`` (and ``train_step``'s check for a
     non-finite gradient) on pre's, the stacked layers' and post's weights, as a stage holds them."""
     import jax
     import jax.numpy as jnp
     import optax
-
-    params = jax.device_put(model.init_stacked(jax.random.key(seed), microbatch), device)
 
     @jax.jit
     def step(p: Any, state: Any) -> Any:
@@ -776,26 +780,35 @@ def _update_runs(model: Any, microbatch: Any, optimizer: Any, device: Any, seed:
     return runs
 
 
-def _step_run(model: Any, microbatch: Any, optimizer: Any, device: Any, seed: int) -> Callable[[], Any]:
-    """A run of ``jpipe.train_step`` on ``device`` for the model cut to the timed stack of layers
-    (one micro-batch): its time less its parts' is what a step costs beyond them."""
+def _step_runs(model: Any, microbatches: Sequence[Any], optimizer: Any, device: Any,
+               seed: int) -> list[Callable[[], Any]]:
+    """Runs of ``jpipe.train_step`` on ``device`` for the model cut to the timed stack of layers, one
+    per micro-batch (each a batch of one micro-batch): a step's time less its parts' is what it
+    costs beyond them. The runs share one state's arrays, each with the program of its size."""
     import jax
 
     from jpipe._init import init
     from jpipe._plan import Plan
+    from jpipe._state import abstract_state
     from jpipe._train import train_step
 
     small = dataclasses.replace(model, num_layers=min(_STACK, model.num_layers))
-    batch = jax.device_put(microbatch, device)
-    state = [init(small, Plan(pipe=1, data=1, microbatches=1), optimizer, batch, rng=jax.random.key(seed),
-                  devices=[device])]
-    step = train_step.lower(state[0], batch).compile()
+    plan = Plan(pipe=1, data=1, microbatches=1)
+    batches = [jax.device_put(mb, device) for mb in microbatches]
+    state = [init(small, plan, optimizer, batches[0], rng=jax.random.key(seed), devices=[device])]
 
-    def run() -> Any:
-        state[0], metrics = step(state[0], batch)  # the state is donated: keep the new one
-        return state[0], metrics
+    def run_of(batch: Any) -> Callable[[], Any]:
+        program = abstract_state(small, plan, optimizer, batch, devices=[device]).program
+        step = train_step.lower(state[0].replace(program=program), batch).compile()
 
-    return run
+        def run() -> Any:
+            state[0], metrics = step(state[0].replace(program=program), batch)  # donated: keep the new one
+            return state[0], metrics
+
+        return run
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # XLA compiles without the GIL
+        return list(pool.map(run_of, batches))
 
 
 def _resize(tree: Any, rows: int) -> Any:
@@ -865,7 +878,7 @@ def _slowest_process(costs: list[LayerCost]) -> list[LayerCost]:
 _EXCHANGE_TICKS = 8
 
 
-def _sharing_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int) -> tuple[Callable, Callable]:
+def _sharing_runs(model: Any, params: Any, microbatch: Any, devices: Sequence[Any]) -> tuple[Callable, Callable]:
     """Runs of the timed stack's forward and backward on every one of ``devices`` at once, and on
     the first alone (the same program on a one-device mesh): their times' ratio is how much devices
     of one process slow each other down (simulated CPU devices share the host's cores)."""
@@ -875,9 +888,9 @@ def _sharing_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    params = model.init_stacked(jax.random.key(seed), microbatch)
-    stack = jax.tree.map(lambda a: a[:min(_STACK, model.num_layers)], params["layers"])
-    hidden = model.embed(params["pre"], microbatch)
+    stack = _timed_stack(params)
+    hidden = jax.eval_shape(model.embed, params["pre"], microbatch)
+    hidden = jnp.ones(hidden.shape, hidden.dtype)
     forward = _stack_forward(model)
 
     def forward_backward(p: Any, x: Any) -> Any:
@@ -896,7 +909,7 @@ def _sharing_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int
     return on(devices), on(devices[:1])
 
 
-def _exchange_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: int,
+def _exchange_runs(model: Any, params: Any, microbatch: Any, devices: Sequence[Any],
                    ticks: int = _EXCHANGE_TICKS) -> tuple[float, Callable[[], Any], Callable[[], Any]]:
     """(bytes, run with, run without): what one tick's exchange of ``microbatch``'s activations adds to
     a tick that also computes is the difference of the runs' times over ``ticks`` -- a scan of ticks
@@ -910,8 +923,7 @@ def _exchange_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: in
 
     n = len(devices)
     mesh = Mesh(np.asarray(devices, dtype=object), ("x",))
-    params = model.init_stacked(jax.random.key(seed), microbatch)
-    stack = jax.tree.map(lambda a: a[:min(_STACK, model.num_layers)], params["layers"])
+    stack = _timed_stack(params)
     hidden = jax.eval_shape(model.embed, params["pre"], microbatch)
     forward = [(i, i + 1) for i in range(n - 1)]
     backward = [(i + 1, i) for i in range(n - 1)]
@@ -929,7 +941,8 @@ def _exchange_runs(model: Any, microbatch: Any, devices: Sequence[Any], seed: in
 
         return jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"), check_vma=False))
 
-    stack = jax.device_put(stack, NamedSharding(mesh, P()))
+    # from the host: a sharding over other processes' devices takes no array committed to a device
+    stack = jax.device_put(jax.tree.map(np.asarray, stack), NamedSharding(mesh, P()))
     h = jax.make_array_from_callback((n * hidden.shape[0], *hidden.shape[1:]), NamedSharding(mesh, P("x")),
                                      lambda idx: np.ones(hidden.shape, hidden.dtype))
     with_exchange, without = run(True), run(False)
@@ -1054,19 +1067,22 @@ class Profiler:
         self._others = sorted({int(s) for s in (microbatch_sizes or [size // 2]) if s >= 1} - {size})
         self._progress(f"profiling: compiling pre, one layer, post and a training step at micro-batch sizes "
                        f"{sorted({self._size, *self._others})} on {local[0]}")
-        self._parts = [part for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))
-                       for part in _parts(model, mb, optimizer, local[0], seed)]
-        self._updates = _update_runs(model, example_microbatch, optimizer, local[0], seed)
+        # one set of weights for every size and every run: they do not depend on the micro-batch's size
+        params = jax.device_put(model.init_stacked(jax.random.key(seed), example_microbatch), local[0])
+        microbatches = [example_microbatch, *(_resize(example_microbatch, o) for o in self._others)]
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # XLA compiles without the GIL
+            parts = pool.map(lambda mb: _parts(model, params, mb, optimizer, local[0]), microbatches)
+            self._parts = [part for three in parts for part in three]
+        self._updates = _update_runs(params, optimizer)
         # a step at every size: what it costs beyond its parts grows with its buffers, not evenly
-        self._steps = [_step_run(model, mb, optimizer, local[0], seed)
-                       for mb in (example_microbatch, *(_resize(example_microbatch, o) for o in self._others))]
+        self._steps = _step_runs(model, microbatches, optimizer, local[0], seed)
         self._copies = [_stash_copy_run(part.residuals, local[0]) for part in self._parts[1::3]]
         self._processes = len({d.process_index for d in devices})
         self._sharing = None
         if len(local) > 1:
             self._progress(f"profiling: compiling the layers on all {len(local)} devices of this process at once, "
                            f"and on one alone (devices that share a host slow each other down)")
-            self._sharing = _sharing_runs(model, example_microbatch, local, seed)
+            self._sharing = _sharing_runs(model, params, example_microbatch, local)
         self._comm = None
         if comm and len(devices) > 1:
             pre, layer, post = self._parts[:3]
@@ -1078,8 +1094,7 @@ class Profiler:
                 len(devices),
                 _comm_runs(devices, [], [io, (io + every) / 2, every], _EXCHANGE_TICKS),
                 # the exchange as a computing tick pays it, not a tight loop of ppermutes
-                [_exchange_runs(model, _resize(example_microbatch, s), devices, seed)
-                 for s in (size, *self._others)],
+                [_exchange_runs(model, params, mb, devices) for mb in microbatches],
             )
 
     def measure(self, repeats: int | None = None, rounds: int = 1) -> Profile:
