@@ -408,7 +408,7 @@ def test_search_weighs_fused_ticks_against_their_memory():
 
 
 def test_gpt_with_heavy_head_gets_an_uneven_partition():
-    """Acceptance: a GPT-like model whose head costs much more than a layer, profiled on 8 CPU devices."""
+    """Acceptance: a GPT-like model whose head costs much more than a layer, planned for 8 CPU devices."""
     import jax
     import jax.numpy as jnp
 
@@ -418,7 +418,7 @@ def test_gpt_with_heavy_head_gets_an_uneven_partition():
     model = jpipe.models.gpt(vocab_size=8192, seq_len=16, d_model=32, num_heads=2, num_layers=8)
     batch = {"tokens": jnp.zeros((32, 16), jnp.int32), "targets": jnp.zeros((32, 16), jnp.int32)}
     prof = profile(model, jax.tree.map(lambda a: a[:8], batch), repeats=5, warmup=1, comm=False,
-                   microbatch_sizes=[8])
+                   microbatch_sizes=[8], devices=jax.devices()[:1])  # the ratio of two times: no sharing runs
     head = prof.post.forward + prof.post.backward
     layer = prof.layers[0].forward + prof.layers[0].backward
     assert head > 2 * layer, (head, layer)
