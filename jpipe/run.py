@@ -897,14 +897,23 @@ class StopRequest:
     """SIGINT and SIGTERM ask ``jpipe train`` to stop at the next step boundary (with a checkpoint,
     the report and ``summary.json``); a second one aborts at once with :class:`Interrupted`. The
     previous handlers come back on exit. Outside the main thread it does nothing (Python delivers
-    signals to the main thread only)."""
+    signals to the main thread only).
+
+    A signal handler's exception is raised in whatever Python code runs at that moment; inside a
+    finaliser or a weakref callback Python prints it as "Exception ignored" and goes on. So the
+    second signal also marks the run aborted, the next step boundary raises :class:`Interrupted`
+    again, and while the handlers are installed such a swallowed :class:`Interrupted` prints nothing.
+    """
 
     SIGNALS = ("SIGINT", "SIGTERM")
+    ABORTED = "interrupted twice: aborted without a final checkpoint"
 
     def __init__(self, log: Callable[..., None]) -> None:
         self.requested = False
+        self.aborted = False
         self._log = log
         self._previous: dict = {}
+        self._previous_hook: Callable | None = None
 
     def __enter__(self) -> Self:
         import signal
@@ -914,6 +923,7 @@ class StopRequest:
             for name in self.SIGNALS:
                 sig = getattr(signal, name)
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -921,17 +931,27 @@ class StopRequest:
 
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous_hook is not None:
+            sys.unraisablehook = self._previous_hook
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
-            raise Interrupted("interrupted twice: aborted without a final checkpoint")
+            self.aborted = True
+            raise Interrupted(self.ABORTED)
         self.requested = True
         self._log("stopping at the next step boundary with a checkpoint (interrupt again to abort now)",
                   flush=True)
 
+    def _unraisable(self, unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):  # ours is raised again at the step boundary
+            self._previous_hook(unraisable)
+
     def agreed(self, multi_process: bool) -> bool:
         """Whether to stop now: under ``jax.distributed``, whether any process was asked to (every
-        process then stops at the same step)."""
+        process then stops at the same step). Raises :class:`Interrupted` where this process was
+        interrupted twice."""
+        if self.aborted:
+            raise Interrupted(self.ABORTED)
         if not multi_process:
             return self.requested
         import numpy as np

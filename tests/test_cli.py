@@ -250,6 +250,27 @@ def test_a_second_interrupt_aborts_at_once_without_a_traceback(tmp_path):
     assert "interrupted twice" in err
 
 
+def test_a_second_interrupt_that_a_finaliser_swallows_still_aborts_at_the_next_step_boundary(capsys):
+    """A signal handler's exception surfaces in whatever code runs; inside a finaliser Python prints
+    "Exception ignored ... Traceback" and goes on (seen when the second Ctrl-C met a weakref callback)."""
+    from jpipe import run
+
+    with run.StopRequest(lambda *a, **k: None) as stop:
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)
+        assert stop.agreed(multi_process=False)  # the first asks for a stop at the step boundary
+
+        class Finalised:
+            def __del__(self) -> None:
+                handler(signal.SIGINT, None)  # the second arrives while a finaliser runs
+
+        Finalised()
+        with pytest.raises(run.Interrupted, match="interrupted twice"):
+            stop.agreed(multi_process=False)
+    assert signal.getsignal(signal.SIGINT) is not handler
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_schedule_show(tmp_path, capsys):
     png = tmp_path / "g.png"
     assert cli.main(["schedule", "show", "1f1b", "--pipe", "2", "--microbatches", "3", "--png", str(png)]) == 0
