@@ -372,11 +372,11 @@ def dapple_plan_for(profile: Profile, global_batch: int, cluster: Cluster, repli
     >>> plan.pattern, plan.split, plan.latency > dapple_plan(prof, 64, Cluster.preset("dapple-A")).latency
     ('8:8', '16:16', True)
     """
-    L = profile.num_layers
+    L, costs = profile.num_layers, _costs(profile)
     if sum(replicas) != cluster.num_devices or min(replicas) < 1:
         raise ValueError(f"replicas {tuple(replicas)} must be >= 1 each and use all {cluster.num_devices} devices")
     if split is None:
-        bounds = _minmax_split(_costs(profile).f + _costs(profile).b, L, len(replicas))
+        bounds = _minmax_split(costs.f + costs.b, L, len(replicas))
     else:
         if len(split) != len(replicas) or sum(split) != L or min(split) < 1:
             raise ValueError(f"split {tuple(split)} needs one entry >= 1 per stage of replicas "
@@ -384,7 +384,7 @@ def dapple_plan_for(profile: Profile, global_batch: int, cluster: Cluster, repli
         bounds = [0, *np.cumsum(split).tolist()]
     if min_samples_per_replica is None:
         min_samples_per_replica = profile.microbatch_size
-    ev = _Evaluator(_costs(profile), global_batch, cluster, min_samples_per_replica, optimizer_factor, overlap)
+    ev = _Evaluator(costs, global_batch, cluster, min_samples_per_replica, optimizer_factor, overlap)
     everything = tuple(cluster.devices_per_server for _ in range(cluster.servers))
     dp_latency = float(ev.evaluate([(0, L, everything)], 1)[0][0])
     placed = _placed_plans(ev, cluster, list(replicas), bounds)
